@@ -1,0 +1,30 @@
+# make test  — set up .venv (torch first, pinned) and run the test suite
+# make demo  — set up .venv and run the WikiText-2 pipeline on the CPU config, printing the table
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV ?= .venv
+GNNLM_DATA ?= $(abspath ../shared/data)
+export GNNLM_DATA
+export WANDB_MODE ?= offline
+BIN := $(VENV)/bin
+
+.PHONY: setup test demo clean
+
+$(BIN)/gnnlm: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(BIN)/gnnlm
+
+setup: $(BIN)/gnnlm
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+demo: setup
+	$(BIN)/gnnlm pipeline -c configs/wikitext2/gnnlm_cpu.yaml
+
+clean:
+	rm -rf $(VENV) runs lightning_logs

@@ -1,0 +1,150 @@
+"""LightningDataModule for base-LM training and evaluation on a tokenized corpus.
+
+- train: shuffled non-overlapping blocks of ``block_size`` tokens;
+- valid/test: the sliding-window protocol of ``gnnlm.encode`` (context C, stride S), each
+  position scored once, so ``val/ppl`` is the split's perplexity under a stated protocol;
+- with a Transformer-XL model (``memory_length > 0``) every split is served as contiguous
+  segments of parallel streams, in order, so memory flows from one batch to the next.
+
+The corpus is tokenized once into ``<workdir>/tokens`` when the module is created, which is
+how ``vocab_size`` is known in time to be linked into the model.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gnnlm.encode import protocol, sliding_windows, stream_tensor
+from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
+
+
+class Blocks(Dataset):
+    """Non-overlapping blocks: ``input = stream[i*T : (i+1)*T]``, target shifted by one."""
+
+    def __init__(self, stream: torch.Tensor, block_size: int):
+        self.stream, self.T = stream, block_size
+        self.n = (len(stream) - 1) // block_size
+        if self.n == 0:
+            raise ValueError(f"The train split ({len(stream) - 1} tokens) is shorter than one "
+                             f"block of {block_size}.")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        chunk = self.stream[i * self.T: (i + 1) * self.T + 1]
+        return {"input": chunk[:-1], "target": chunk[1:]}
+
+
+class SlidingWindows(Dataset):
+    """Evaluation windows with a mask selecting each window's scored positions."""
+
+    def __init__(self, stream: torch.Tensor, context: int, stride: int):
+        n = len(stream) - 1
+        self.context = min(context, n)
+        self.stream = stream
+        self.starts, self.score_from = sliding_windows(n, self.context, min(stride, self.context))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, w: int) -> dict:
+        s = int(self.starts[w])
+        chunk = self.stream[s: s + self.context + 1]
+        mask = torch.zeros(self.context)
+        mask[int(self.score_from[w]) - s:] = 1.0
+        return {"input": chunk[:-1], "target": chunk[1:], "mask": mask}
+
+
+class StreamSegments(Dataset):
+    """The split cut into ``n_streams`` contiguous streams, served segment by segment.
+
+    Item ``j * n_streams + s`` is segment j of stream s: with ``batch_size = n_streams`` (or
+    ``n_streams / world_size`` under a rank-strided sampler) batch j holds segment j of the same
+    streams as batch j - 1, which is what Transformer-XL memory needs. Padding is masked out.
+    """
+
+    def __init__(self, stream: torch.Tensor, n_streams: int, segment: int):
+        n = len(stream) - 1
+        self.length = math.ceil(n / n_streams)                    # positions per stream
+        self.n_segments = math.ceil(self.length / segment)
+        self.n_streams, self.segment, self.n = n_streams, segment, n
+        padded = torch.zeros(n_streams * self.n_segments * segment + 1, dtype=stream.dtype)
+        padded[: len(stream)] = stream
+        self.padded = padded
+
+    def __len__(self) -> int:
+        return self.n_streams * self.n_segments
+
+    def __getitem__(self, i: int) -> dict:
+        seg, s = divmod(i, self.n_streams)
+        begin = s * self.length + seg * self.segment
+        end = min(begin + self.segment, (s + 1) * self.length, self.n)  # stream and split ends
+        chunk = self.padded[begin: begin + self.segment + 1]
+        mask = torch.zeros(self.segment)
+        mask[: max(0, end - begin)] = 1.0
+        return {"input": chunk[:-1], "target": chunk[1:], "mask": mask}
+
+
+class LMDataModule(pl.LightningDataModule):
+    def __init__(self, corpus: str = "wikitext-2", corpus_path: Optional[str] = None,
+                 data_dir: Optional[str] = None, tokenizer: TokenizerConfig = TokenizerConfig(),
+                 workdir: str = "runs/wikitext2", block_size: int = 256,
+                 eval_context: int = 256, eval_stride: int = 128, batch_size: int = 32,
+                 eval_batch_size: int = 32, train_tokens: Optional[int] = None,
+                 eval_tokens: Optional[int] = None, num_workers: int = 0):
+        """``train_tokens``/``eval_tokens`` keep only a prefix of each split (for quick runs)."""
+        super().__init__()
+        self.save_hyperparameters()
+        self.store: TokenStore = build_tokens(Path(workdir) / "tokens", corpus, corpus_path,
+                                              data_dir, tokenizer)
+        self.vocab_size = self.store.vocab_size
+
+    @property
+    def protocol(self) -> str:
+        return protocol(self.hparams.eval_context, self.hparams.eval_stride)
+
+    def stream(self, split: str) -> torch.Tensor:
+        tokens = self.store.split(split)
+        limit = self.hparams.train_tokens if split == "train" else self.hparams.eval_tokens
+        return stream_tensor(np.asarray(tokens[:limit]), self.store.bos_id)
+
+    def _memory_model(self) -> bool:
+        model = self.trainer.lightning_module if self.trainer else None
+        return getattr(model, "memory_length", 0) > 0
+
+    def _world(self) -> int:
+        return self.trainer.world_size if self.trainer else 1
+
+    def _segments(self, split: str, batch_size: int) -> StreamSegments:
+        return StreamSegments(self.stream(split), batch_size * self._world(),
+                              self.hparams.block_size)
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        if self._memory_model():
+            return DataLoader(self._segments("train", hp.batch_size), batch_size=hp.batch_size,
+                              shuffle=False, num_workers=hp.num_workers)
+        return DataLoader(Blocks(self.stream("train"), hp.block_size), batch_size=hp.batch_size,
+                          shuffle=True, num_workers=hp.num_workers, drop_last=True)
+
+    def _eval_loader(self, split: str) -> DataLoader:
+        hp = self.hparams
+        if self._memory_model():
+            data = self._segments(split, hp.eval_batch_size)
+        else:
+            data = SlidingWindows(self.stream(split), hp.eval_context, hp.eval_stride)
+        return DataLoader(data, batch_size=hp.eval_batch_size, shuffle=False,
+                          num_workers=hp.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("valid")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")

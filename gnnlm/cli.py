@@ -1,0 +1,52 @@
+"""The ``gnnlm`` command: LightningCLI for fit/validate/test, plus the pipeline commands.
+
+    gnnlm fit -c configs/wikitext2/base_lm_cpu.yaml
+    gnnlm test -c configs/wikitext2/base_lm_cpu.yaml --ckpt_path best
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningCLI
+
+
+def default_wandb_offline() -> None:
+    """W&B stays offline (no account, no network) unless the user is logged in or says so."""
+    logged_in = os.environ.get("WANDB_API_KEY") or (
+        os.path.isfile(os.path.expanduser("~/.netrc"))
+        and "api.wandb.ai" in open(os.path.expanduser("~/.netrc")).read())
+    if not logged_in:
+        os.environ.setdefault("WANDB_MODE", "offline")
+
+
+class GnnlmCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # Sizes flow from the data to the model (a link is skipped when a class lacks the key).
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size",
+                              apply_on="instantiate")
+        parser.link_arguments("data.feature_dim", "model.init_args.feature_dim",
+                              apply_on="instantiate")
+
+
+def lightning_main(args: list[str] | None = None) -> GnnlmCLI:
+    return GnnlmCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
+                    subclass_mode_data=True, args=args,
+                    save_config_kwargs={"overwrite": True})
+
+
+COMMANDS = {}  # name -> callable(args); filled by the pipeline stages' modules
+
+
+def main(argv: list[str] | None = None) -> None:
+    default_wandb_offline()
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in COMMANDS:
+        COMMANDS[words[0]](words[1:])
+    else:
+        lightning_main(argv)  # None: LightningCLI reads sys.argv itself
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Sliding-window encoding of a whole split with a frozen base LM.
+
+A split of N tokens is scored as the stream ``[bos] + tokens``: position t reads stream[t] (and
+everything before it) and predicts tokens[t] (its *value*, the next token of the stream). Windows
+of length C start every S positions; the first window scores all its positions, every later
+window only its last S, and the final window is shifted left so that it is full length. Every
+position is therefore encoded exactly once, with at least C - S tokens of left context (or all
+of its left context, when that is shorter), whatever the batch size or chunking.
+"""
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gnnlm.models.base import BaseLM
+
+
+def check_protocol(context: int, stride: int, max_context: int | None = None) -> None:
+    if context <= 0 or not 0 < stride <= context:
+        raise ValueError(f"need 0 < stride <= context (got context={context}, stride={stride}).")
+    if max_context is not None and context > max_context:
+        raise ValueError(f"context {context} exceeds the base LM's context length {max_context}.")
+
+
+def protocol(context: int, stride: int) -> str:
+    return (f"sliding window: context {context}, stride {stride}; every token scored once with "
+            f">= {context - stride} tokens of left context (all of it near the split's start)")
+
+
+def sliding_windows(n_positions: int, context: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """Window ``w`` covers ``[starts[w], starts[w] + C)`` and scores ``[score_from[w], end)``."""
+    check_protocol(context, stride)
+    if n_positions <= context:
+        return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    n_windows = 1 + -(-(n_positions - context) // stride)                  # ceil division
+    starts = np.arange(n_windows, dtype=np.int64) * stride
+    score_from = starts + context - stride
+    score_from[0] = 0
+    starts[-1] = n_positions - context  # keep every window full length (uniform batches)
+    return starts, score_from
+
+
+def stream_tensor(tokens: np.ndarray, bos_id: int) -> Tensor:
+    """``[bos] + tokens`` as int64, the input stream whose position t predicts tokens[t]."""
+    stream = np.empty(len(tokens) + 1, dtype=np.int64)
+    stream[0] = bos_id
+    stream[1:] = tokens
+    return torch.from_numpy(stream)
+
+
+class EncodedBatch(NamedTuple):
+    start: int          # first position of this batch's scored span
+    final: Tensor       # [n, d] float32
+    att: Tensor         # [n, d]
+    logprob: Tensor | None  # [n] log p_LM(target) when asked for
+
+
+@torch.no_grad()
+def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int, stride: int,
+                   window_range: tuple[int, int] | None = None, batch_size: int = 8,
+                   with_logprob: bool = False, device: str | torch.device = "cpu"
+                   ) -> Iterator[EncodedBatch]:
+    """Encode windows ``window_range`` (all by default) in batches, yielding scored spans in order.
+
+    Spans of consecutive batches are contiguous, so callers can write them straight into a
+    position-indexed memmap and resume at any window boundary.
+    """
+    n = len(tokens)
+    context = min(context, n)
+    stride = min(stride, context)
+    check_protocol(context, stride, getattr(model, "context_length", None))
+    starts, score_from = sliding_windows(n, context, stride)
+    lo, hi = window_range or (0, len(starts))
+    stream = stream_tensor(tokens, bos_id)
+    targets = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    model.eval()
+    for b in range(lo, hi, batch_size):
+        w = np.arange(b, min(b + batch_size, hi))
+        idx = torch.from_numpy(starts[w])[:, None] + torch.arange(context)[None, :]  # [B, C]
+        feats = model(stream[idx].to(device))
+        offsets = score_from[w] - starts[w]                       # first scored slot per window
+        ends = np.minimum(starts[w] + context, n) - starts[w]
+        keep = torch.cat([torch.arange(o, e) + i * context for i, (o, e)
+                          in enumerate(zip(offsets, ends))]).to(device)
+        final = feats.final.reshape(-1, feats.final.shape[-1])[keep].float()   # [n_b, d]
+        att = feats.att.reshape(-1, feats.att.shape[-1])[keep].float()
+        logprob = None
+        if with_logprob:
+            positions = torch.cat([torch.arange(s + o, s + e) for s, o, e
+                                   in zip(starts[w], offsets, ends)])
+            logits = model.logits(final).float()
+            logprob = torch.log_softmax(logits, -1).gather(
+                1, targets[positions].to(device)[:, None]).squeeze(1)
+        yield EncodedBatch(int(score_from[w[0]]), final, att, logprob)

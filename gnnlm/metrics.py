@@ -1,0 +1,47 @@
+"""Perplexity and bits per character, always token-weighted over all scored tokens."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torchmetrics import Metric
+
+
+def perplexity(nll_sum: float, n_tokens: int) -> float:
+    """exp(Σ NLL / Σ tokens): never a mean of per-batch perplexities."""
+    if n_tokens <= 0:
+        raise ValueError(f"perplexity needs at least one scored token (got {n_tokens}).")
+    return math.exp(nll_sum / n_tokens)
+
+
+def bits_per_token(nll_sum: float, n_tokens: int) -> float:
+    return nll_sum / n_tokens / math.log(2)
+
+
+def ppl_from_logprobs(logprobs: np.ndarray) -> float:
+    """Perplexity of per-token natural-log probabilities of the targets."""
+    return perplexity(-float(np.sum(logprobs, dtype=np.float64)), len(logprobs))
+
+
+def unigram_logprobs(train: np.ndarray, targets: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Add-one smoothed unigram log-probabilities of ``targets`` (a floor every LM must beat)."""
+    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab_size) + 1.0
+    return np.log(counts / counts.sum())[np.asarray(targets, dtype=np.int64)]
+
+
+class TokenNLL(Metric):
+    """Summed NLL and token count, reduced across DDP ranks; ``compute`` gives the mean NLL."""
+    full_state_update = False
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("nll", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, nll: torch.Tensor, mask: torch.Tensor) -> None:
+        self.nll += (nll.double() * mask).sum()
+        self.count += mask.sum().long()
+
+    def compute(self) -> torch.Tensor:
+        return self.nll / self.count.clamp(min=1)

@@ -1,0 +1,62 @@
+"""The one interface every base LM offers to the rest of the pipeline.
+
+Per position a base LM yields two feature vectors (DESIGN.md "Features"):
+
+- ``final``: the last layer's output after the final norm, what the softmax sees
+  (GNN-LM's key and node feature; ``logits = final @ W.T + b``);
+- ``att``: the last block's attention-side vector fed to its FFN
+  (kNN-LM's key; Xu et al. §3 show it retrieves better).
+
+and the output embedding ``(W, b)`` that turns ``final`` into logits.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+FEATURE_KEYS = ("final", "att")
+
+
+class Features(NamedTuple):
+    final: Tensor                       # [B, T, d]
+    att: Tensor                         # [B, T, d]
+    memory: Optional[list[Tensor]] = None  # Transformer-XL memory for the next segment
+
+
+class BaseLM(nn.Module):
+    """A causal LM that exposes ``final``/``att`` features and its output embedding."""
+    vocab_size: int
+    hidden_size: int
+    context_length: int
+    memory_length: int = 0
+    name: str = "base-lm"
+
+    def forward(self, input_ids: Tensor, memory: Optional[list[Tensor]] = None) -> Features:
+        raise NotImplementedError
+
+    def output_embedding(self) -> tuple[Tensor, Optional[Tensor]]:
+        """``(W [V, d], b [V] or None)`` such that ``logits = final @ W.T + b``."""
+        raise NotImplementedError
+
+    def logits(self, final: Tensor) -> Tensor:
+        weight, bias = self.output_embedding()
+        return F.linear(final, weight, bias)
+
+    @torch.no_grad()
+    def fingerprint(self) -> str:
+        """A hash of the weights: datastores record it and refuse another model's queries."""
+        if getattr(self, "_fingerprint", None) is None:
+            digest = hashlib.sha256()
+            for name, tensor in sorted(self.state_dict().items()):
+                digest.update(name.encode())
+                digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:16]
+        return self._fingerprint
+
+    def identity(self) -> dict:
+        return {"name": self.name, "fingerprint": self.fingerprint(),
+                "vocab_size": self.vocab_size, "hidden_size": self.hidden_size}

@@ -1,0 +1,291 @@
+"""Tokenization: word level (WikiText convention), character level, and Hugging Face tokenizers.
+
+The vocabulary is built from the train split only. Each split becomes one token stream, stored
+as a uint16/uint32 memmap in ``<workdir>/tokens/`` with a manifest (vocabulary size, the id used
+as beginning-of-stream, counts, the fingerprint of the source files and the tokenizer).
+
+Word level follows the WikiText convention: ``line.split() + ['<eos>']`` for every line, empty
+lines included, and ``<unk>`` is an ordinary token.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+
+from gnnlm.artifacts import ArtifactBuilder, file_sha256, open_array, read_manifest
+from gnnlm.corpus import SPLIT_FILES, SPLITS, locate_corpus
+
+EOS, UNK = "<eos>", "<unk>"
+
+
+@dataclass
+class TokenizerConfig:
+    """How text becomes token ids.
+
+    kind: ``word`` (whitespace + ``<eos>`` per line), ``char`` (one id per character, ``\\n``
+    included), ``bpe`` (train a byte-level BPE with ``vocab_size`` on the train split), or ``hf``
+    (``path`` is a ``tokenizer.json`` file or a pretrained model's name or folder).
+    """
+    kind: Literal["word", "char", "bpe", "hf"] = "word"
+    vocab_size: int = 32000
+    path: Optional[str] = None
+
+
+def _lines(text: str) -> list[str]:
+    lines = text.split("\n")
+    if lines and lines[-1] == "":  # the file's final newline does not open another line
+        lines.pop()
+    return lines
+
+
+class Tokenizer:
+    """Common interface: ``encode(text) -> ids``, ``tokens(ids) -> strings``, ``bos_id``."""
+    kind: str
+    vocab_size: int
+    bos_id: int
+
+    def encode(self, text: str) -> np.ndarray: raise NotImplementedError
+    def tokens(self, ids) -> list[str]: raise NotImplementedError
+    def save(self, folder: Path) -> None: raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        return " ".join(self.tokens(ids))
+
+
+class WordTokenizer(Tokenizer):
+    kind = "word"
+
+    def __init__(self, vocab: list[str]):
+        self.vocab = vocab
+        self.stoi = {w: i for i, w in enumerate(vocab)}
+        self.vocab_size = len(vocab)
+        self.bos_id = self.stoi[EOS]
+        self.unk_id = self.stoi[UNK]
+
+    @classmethod
+    def fit(cls, train_text: str) -> "WordTokenizer":
+        counts = Counter(w for line in _lines(train_text) for w in line.split())
+        counts.pop(EOS, None), counts.pop(UNK, None)
+        # Specials first, then by frequency (ties in order of first appearance).
+        return cls([EOS, UNK] + [w for w, _ in counts.most_common()])
+
+    def encode(self, text: str) -> np.ndarray:
+        words = [w for line in _lines(text) for w in (*line.split(), EOS)]
+        get, unk = self.stoi.get, self.unk_id
+        return np.fromiter((get(w, unk) for w in words), dtype=np.int64, count=len(words))
+
+    def tokens(self, ids) -> list[str]:
+        return [self.vocab[int(i)] for i in ids]
+
+    def save(self, folder: Path) -> None:
+        (folder / "vocab.json").write_text(json.dumps(self.vocab, ensure_ascii=False))
+
+    @classmethod
+    def load(cls, folder: Path) -> "WordTokenizer":
+        return cls(json.loads((folder / "vocab.json").read_text()))
+
+
+class CharTokenizer(Tokenizer):
+    """One id per Unicode character of the raw text; ``\\n`` marks line ends and opens streams."""
+    kind = "char"
+
+    def __init__(self, vocab: list[str]):
+        self.vocab = vocab  # vocab[0] is UNK, the rest single characters
+        self.vocab_size = len(vocab)
+        self.codepoints = np.array([ord(c) for c in vocab[1:]], dtype=np.uint32)
+        self.order = np.argsort(self.codepoints)
+        self.bos_id = vocab.index("\n")
+        self.unk_id = 0
+
+    @staticmethod
+    def _codepoints(text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+    @classmethod
+    def fit(cls, train_text: str) -> "CharTokenizer":
+        values, counts = np.unique(cls._codepoints(train_text + "\n"), return_counts=True)
+        ranked = values[np.argsort(-counts, kind="stable")]
+        return cls([UNK] + [chr(int(c)) for c in ranked])
+
+    def encode(self, text: str) -> np.ndarray:
+        cps = self._codepoints(text)
+        sorted_cps = self.codepoints[self.order]
+        pos = np.clip(np.searchsorted(sorted_cps, cps), 0, len(sorted_cps) - 1)
+        ids = self.order[pos].astype(np.int64) + 1
+        ids[sorted_cps[pos] != cps] = self.unk_id
+        return ids
+
+    def tokens(self, ids) -> list[str]:
+        return [self.vocab[int(i)] for i in ids]
+
+    def decode(self, ids) -> str:
+        return "".join(self.tokens(ids))
+
+    def save(self, folder: Path) -> None:
+        (folder / "vocab.json").write_text(json.dumps(self.vocab, ensure_ascii=False))
+
+    @classmethod
+    def load(cls, folder: Path) -> "CharTokenizer":
+        return cls(json.loads((folder / "vocab.json").read_text()))
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers.Tokenizer`` (trained BPE, a tokenizer.json, or a model's)."""
+    kind = "hf"
+    EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+    def __init__(self, backend):
+        self.backend = backend  # tokenizers.Tokenizer
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        ids = [backend.token_to_id(t) for t in self.EOS_CANDIDATES]
+        ids = [i for i in ids if i is not None]
+        if not ids:
+            raise ValueError("The tokenizer has no end-of-text token (looked for "
+                             f"{', '.join(self.EOS_CANDIDATES)}); it is needed to open streams.")
+        self.bos_id = ids[0]
+
+    @classmethod
+    def train_bpe(cls, train_text: str, vocab_size: int) -> "HFTokenizer":
+        from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+        backend = Backend(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        backend.train_from_iterator((line + "\n" for line in _lines(train_text)), trainer)
+        return cls(backend)
+
+    @classmethod
+    def from_path(cls, path: str) -> "HFTokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        p = Path(path)
+        if p.is_file():
+            return cls(Backend.from_file(str(p)))
+        if (p / "tokenizer.json").is_file():
+            return cls(Backend.from_file(str(p / "tokenizer.json")))
+        from transformers import AutoTokenizer  # a hub name, or a folder with vocab/merges files
+
+        try:
+            fast = AutoTokenizer.from_pretrained(path, use_fast=True)
+        except OSError as err:
+            raise FileNotFoundError(f"No tokenizer at {path!r}: not a tokenizer.json file, not a "
+                                    f"folder with one, and not loadable by transformers "
+                                    f"({err}).") from err
+        return cls(fast.backend_tokenizer)
+
+    def encode(self, text: str) -> np.ndarray:
+        encs = self.backend.encode_batch([line + "\n" for line in _lines(text)],
+                                         add_special_tokens=False)
+        return np.fromiter((i for e in encs for i in e.ids), dtype=np.int64)
+
+    def tokens(self, ids) -> list[str]:
+        return [self.backend.decode([int(i)]) for i in ids]
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(i) for i in ids])
+
+    def save(self, folder: Path) -> None:
+        self.backend.save(str(folder / "tokenizer.json"))
+
+    @classmethod
+    def load(cls, folder: Path) -> "HFTokenizer":
+        return cls.from_path(str(folder / "tokenizer.json"))
+
+
+TOKENIZERS = {"word": WordTokenizer, "char": CharTokenizer, "bpe": HFTokenizer, "hf": HFTokenizer}
+
+
+def fit_tokenizer(config: TokenizerConfig, train_text: str) -> Tokenizer:
+    if config.kind == "word":
+        return WordTokenizer.fit(train_text)
+    if config.kind == "char":
+        return CharTokenizer.fit(train_text)
+    if config.kind == "bpe":
+        return HFTokenizer.train_bpe(train_text, config.vocab_size)
+    if config.kind == "hf":
+        if not config.path:
+            raise ValueError("tokenizer kind 'hf' needs `path`: a tokenizer.json file or a "
+                             "pretrained model's name or folder.")
+        return HFTokenizer.from_path(config.path)
+    raise ValueError(f"Unknown tokenizer kind {config.kind!r} (expected one of {list(TOKENIZERS)}).")
+
+
+def _read_split(files: dict[str, Path], split: str) -> str:
+    if split not in files:
+        folder = files["train"].parent
+        raise FileNotFoundError(f"The corpus in {folder} has no {split} split: expected one of "
+                                f"{', '.join(SPLIT_FILES[split])}.")
+    text = files[split].read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"Split file {files[split]} is empty: a corpus needs text in train, "
+                         f"valid and test.")
+    return text
+
+
+@dataclass
+class TokenStore:
+    """Read side of a tokens artifact: streams per split, the tokenizer, sizes."""
+    path: Path
+    manifest: dict
+    tokenizer: Tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["vocab_size"]
+
+    @property
+    def bos_id(self) -> int:
+        return self.manifest["bos_id"]
+
+    @property
+    def level(self) -> str:
+        return self.manifest["config"]["tokenizer"]["kind"]
+
+    def split(self, name: str) -> np.memmap:
+        return open_array(self.path, name, self.manifest)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "TokenStore":
+        path = Path(path)
+        manifest = read_manifest(path, kind="tokens")
+        tokenizer = TOKENIZERS[manifest["config"]["tokenizer"]["kind"]].load(path)
+        return cls(path, manifest, tokenizer)
+
+
+def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: str | None = None,
+                 data_dir: str | None = None, tokenizer: TokenizerConfig | None = None,
+                 rebuild: bool = False) -> TokenStore:
+    """Tokenize every split of a corpus into ``out_dir`` (skipped when already built)."""
+    tokenizer = tokenizer or TokenizerConfig()
+    files = locate_corpus(corpus, path=corpus_path, data_dir=data_dir)
+    for split in SPLITS:  # fail on a missing or empty split before any work
+        _read_split(files, split)
+    sources = {s: file_sha256(files[s]) for s in SPLITS}
+    tok_cfg = asdict(tokenizer)
+    if tokenizer.kind != "bpe":
+        tok_cfg.pop("vocab_size")
+    builder = ArtifactBuilder(out_dir, kind="tokens", config={"corpus": corpus, "tokenizer": tok_cfg},
+                              inputs={f"{s}_sha256": h[:16] for s, h in sources.items()},
+                              rebuild=rebuild)
+    if builder.is_complete():
+        return TokenStore.open(out_dir)
+    with builder:
+        texts = {s: _read_split(files, s) for s in SPLITS}
+        tok = fit_tokenizer(tokenizer, texts["train"])
+        dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max else np.uint32
+        counts = {}
+        for split in SPLITS:
+            ids = tok.encode(texts[split])
+            builder.array(split, dtype, ids.shape)[...] = ids
+            counts[split] = int(ids.shape[0])
+        tok.save(builder.partial)
+        builder.finish(extra={"vocab_size": tok.vocab_size, "bos_id": int(tok.bos_id),
+                              "counts": counts, "sources": {s: str(files[s]) for s in SPLITS}})
+    return TokenStore.open(out_dir)
