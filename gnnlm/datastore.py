@@ -112,10 +112,38 @@ def features_dir(workdir: str | Path, split: str) -> Path:
     return Path(workdir) / "features" / split
 
 
+def build_output_embedding(model: BaseLM, out_dir: str | Path) -> dict:
+    """Save the base LM's output embedding ``W [V, d]`` (and bias) for heads on frozen features."""
+    builder = ArtifactBuilder(out_dir, kind="output_embedding",
+                              inputs={"base_lm": model.name,
+                                      "base_lm_fingerprint": model.fingerprint()})
+    if builder.is_complete():
+        return read_manifest(out_dir)
+    weight, bias = model.output_embedding()
+    with builder:
+        builder.array("weight", np.float32, weight.shape)[...] = weight.detach().float().numpy()
+        if bias is not None:
+            builder.array("bias", np.float32, bias.shape)[...] = bias.detach().float().numpy()
+        return builder.finish(extra={"base_lm": model.identity(),
+                                     "vocab_size": int(weight.shape[0]),
+                                     "dim": int(weight.shape[1])})
+
+
+def load_output_embedding(workdir: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]:
+    path = Path(workdir) / "features" / "output_embedding"
+    manifest = read_manifest(path, kind="output_embedding")
+    weight = torch.from_numpy(np.array(open_array(path, "weight", manifest)))
+    bias = (torch.from_numpy(np.array(open_array(path, "bias", manifest)))
+            if "bias" in manifest["arrays"] else None)
+    return weight, bias
+
+
 def build_all_features(model: BaseLM, store: TokenStore, workdir: str | Path,
                        splits: Sequence[str], context: int, stride: int,
                        train_logprob: bool = False, **kwargs) -> dict[str, dict]:
-    """Features for every split; ``lm_logprob`` for train only when asked (it costs a softmax)."""
+    """Features for every split (``lm_logprob`` for train only when asked: it costs a softmax),
+    and the output embedding that heads on these features project through."""
+    build_output_embedding(model, Path(workdir) / "features" / "output_embedding")
     return {s: build_features(model, store, s, features_dir(workdir, s), context, stride,
                               with_logprob=(s != "train" or train_logprob), **kwargs)
             for s in splits}

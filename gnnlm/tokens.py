@@ -30,10 +30,12 @@ class TokenizerConfig:
     kind: ``word`` (whitespace + ``<eos>`` per line), ``char`` (one id per character, ``\\n``
     included), ``bpe`` (train a byte-level BPE with ``vocab_size`` on the train split), or ``hf``
     (``path`` is a ``tokenizer.json`` file or a pretrained model's name or folder).
+    ``max_vocab`` (word level) keeps the most frequent words and maps the rest to ``<unk>``.
     """
     kind: Literal["word", "char", "bpe", "hf"] = "word"
     vocab_size: int = 32000
     path: Optional[str] = None
+    max_vocab: Optional[int] = None
 
 
 def _lines(text: str) -> list[str]:
@@ -68,11 +70,12 @@ class WordTokenizer(Tokenizer):
         self.unk_id = self.stoi[UNK]
 
     @classmethod
-    def fit(cls, train_text: str) -> "WordTokenizer":
+    def fit(cls, train_text: str, max_vocab: Optional[int] = None) -> "WordTokenizer":
         counts = Counter(w for line in _lines(train_text) for w in line.split())
         counts.pop(EOS, None), counts.pop(UNK, None)
         # Specials first, then by frequency (ties in order of first appearance).
-        return cls([EOS, UNK] + [w for w, _ in counts.most_common()])
+        keep = None if max_vocab is None else max(0, max_vocab - 2)
+        return cls([EOS, UNK] + [w for w, _ in counts.most_common(keep)])
 
     def encode(self, text: str) -> np.ndarray:
         words = [w for line in _lines(text) for w in (*line.split(), EOS)]
@@ -204,7 +207,7 @@ TOKENIZERS = {"word": WordTokenizer, "char": CharTokenizer, "bpe": HFTokenizer, 
 
 def fit_tokenizer(config: TokenizerConfig, train_text: str) -> Tokenizer:
     if config.kind == "word":
-        return WordTokenizer.fit(train_text)
+        return WordTokenizer.fit(train_text, config.max_vocab)
     if config.kind == "char":
         return CharTokenizer.fit(train_text)
     if config.kind == "bpe":
@@ -268,7 +271,7 @@ def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: s
     for split in SPLITS:  # fail on a missing or empty split before any work
         _read_split(files, split)
     sources = {s: file_sha256(files[s]) for s in SPLITS}
-    tok_cfg = asdict(tokenizer)
+    tok_cfg = {k: v for k, v in asdict(tokenizer).items() if v is not None}
     if tokenizer.kind != "bpe":
         tok_cfg.pop("vocab_size")
     builder = ArtifactBuilder(out_dir, kind="tokens", config={"corpus": corpus, "tokenizer": tok_cfg},

@@ -1,0 +1,150 @@
+"""LightningDataModule that turns blocks of a split into GNN-LM graphs (PyG ``HeteroData``).
+
+One sample = a block of ``block_size`` consecutive target tokens of a split (GNN-LM §2.2): the
+block's tokens become ``ctx`` nodes with their frozen base-LM features; each token's top-k
+retrieved train positions, widened to windows p−l … p+r, become ``nbr`` nodes with train features
+(PQ-decoded or raw float16). Graphs are built in DataLoader workers from the artifacts of
+``gnnlm pipeline`` (features, neighbours, PQ codes) under ``workdir``.
+
+Train graphs drop every neighbour-window node within the leakage window of its query
+(``|q − t| < W``), so no node has seen the target. Blocks partition each split, so evaluation
+scores every token exactly once, the same tokens as the base LM and kNN-LM.
+
+The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger k) is
+``k_schedule``: ``[[0, 8], [2, 16]]`` uses k=8 from epoch 0 and k=16 from epoch 2; it needs
+``reload_dataloaders_every_n_epochs: 1``. Evaluation always uses the last (largest) k.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import Dataset
+from torch_geometric.data import HeteroData
+from torch_geometric.loader import DataLoader
+
+from gnnlm.artifacts import ArtifactError, open_array, read_manifest
+from gnnlm.datastore import features_dir, load_output_embedding, open_features
+from gnnlm.graph import GraphConfig, build_graph
+from gnnlm.pq import PQFeatures, RawFeatures
+
+
+class GraphBlocks(Dataset):
+    """Block i of a split → one HeteroData with node features ``x`` and ``ctx`` targets ``y``."""
+
+    def __init__(self, workdir: Path, split: str, neighbors: str, key: str, node_features,
+                 block_size: int, graph: GraphConfig, exclude_radius: int,
+                 max_tokens: Optional[int] = None):
+        self.workdir, self.split, self.neighbors_name, self.key = workdir, split, neighbors, key
+        self.node_features, self.block_size, self.graph = node_features, block_size, graph
+        self.exclude_radius = exclude_radius
+        self.n_train = read_manifest(features_dir(workdir, "train"))["n"]
+        n = read_manifest(features_dir(workdir, split))["n"]
+        self.n = n if max_tokens is None else min(n, max_tokens)
+        if self.n == 0:
+            raise ValueError(f"Split {split!r} has no positions to build graphs from.")
+        self._arrays = None  # memmaps are opened lazily in each worker
+
+    def _open(self):
+        _, feats = open_features(features_dir(self.workdir, self.split))
+        nbr_dir = self.workdir / "neighbors" / self.neighbors_name / self.split
+        manifest = read_manifest(nbr_dir, kind="neighbors")
+        if manifest["K"] < self.graph.k:
+            raise ValueError(f"The graph keeps k={self.graph.k} neighbours per token but "
+                             f"{nbr_dir} holds only K={manifest['K']}: lower graph.k or rebuild "
+                             f"the neighbours with a larger K.")
+        self._arrays = (feats[self.key], feats["targets"], open_array(nbr_dir, "ids", manifest))
+
+    def __len__(self) -> int:
+        return -(-self.n // self.block_size)
+
+    def __getitem__(self, i: int) -> HeteroData:
+        if self._arrays is None:
+            self._open()
+        ctx_feats, targets, ids = self._arrays
+        ctx_pos = np.arange(i * self.block_size, min((i + 1) * self.block_size, self.n))
+        nbr_ids = np.asarray(ids[ctx_pos[0]: ctx_pos[-1] + 1, : self.graph.k], dtype=np.int64)
+        data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.exclude_radius)
+        data["ctx"].x = torch.from_numpy(np.asarray(ctx_feats[ctx_pos], dtype=np.float32))
+        data["ctx"].y = torch.from_numpy(np.asarray(targets[ctx_pos], dtype=np.int64))
+        data["nbr"].x = torch.from_numpy(self.node_features(data["nbr"].train_pos.numpy()))
+        return data
+
+
+class GraphDataModule(pl.LightningDataModule):
+    def __init__(self, workdir: str = "runs/wikitext2", neighbors: str = "final-cos",
+                 key: str = "final", node_features: Literal["pq", "raw"] = "pq",
+                 block_size: int = 64, graph: GraphConfig = GraphConfig(),
+                 k_schedule: Optional[list[tuple[int, int]]] = None,
+                 leakage_window: Optional[int] = None, batch_size: int = 4,
+                 eval_batch_size: int = 8, num_workers: int = 2,
+                 train_tokens: Optional[int] = None, eval_tokens: Optional[int] = None,
+                 predict_split: str = "test"):
+        """``neighbors`` names the folder ``<workdir>/neighbors/<neighbors>/<split>``; ``key`` is
+        the node feature (GNN-LM uses ``final``). ``leakage_window`` defaults to the one the
+        neighbour files were masked with. ``train_tokens``/``eval_tokens`` keep split prefixes."""
+        super().__init__()
+        self.save_hyperparameters()
+        self.workdir = Path(workdir)
+        try:
+            train_manifest = read_manifest(features_dir(workdir, "train"), kind="features")
+            self.train_neighbors = read_manifest(self.workdir / "neighbors" / neighbors / "train",
+                                                 kind="neighbors")
+        except ArtifactError as err:
+            raise ArtifactError(f"{err} The graph data module reads the artifacts of "
+                                f"`gnnlm pipeline`; run it (or its retrieval stages) first.") from err
+        self.feature_dim = train_manifest["dim"]
+        self.vocab_size = train_manifest["vocab_size"]
+
+    # -- pieces ----------------------------------------------------------------------------
+    def output_embedding(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return load_output_embedding(self.workdir)
+
+    def node_features(self):
+        train_dir = features_dir(self.workdir, "train")
+        if self.hparams.node_features == "pq":
+            return PQFeatures(self.workdir / "pq" / self.hparams.key)
+        return RawFeatures(train_dir, self.hparams.key)
+
+    def current_k(self, epoch: Optional[int]) -> int:
+        """k for a training epoch (the schedule's last k when ``epoch`` is None: evaluation)."""
+        schedule = sorted(tuple(s) for s in self.hparams.k_schedule or [(0, self.hparams.graph.k)])
+        if epoch is None:
+            return schedule[-1][1]
+        return max((s for s in schedule if s[0] <= epoch), default=schedule[0])[1]
+
+    @property
+    def leakage_window(self) -> int:
+        return (self.hparams.leakage_window if self.hparams.leakage_window is not None
+                else self.train_neighbors["leakage_window"])
+
+    def dataset(self, split: str, k: Optional[int] = None) -> GraphBlocks:
+        hp = self.hparams
+        graph = GraphConfig(**{**vars(hp.graph), "k": k or self.current_k(None)})
+        limit = hp.train_tokens if split == "train" else hp.eval_tokens
+        return GraphBlocks(self.workdir, split, hp.neighbors, hp.key, self.node_features(),
+                           hp.block_size, graph,
+                           self.leakage_window if split == "train" else 0, limit)
+
+    # -- loaders ---------------------------------------------------------------------------
+    def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:
+        hp = self.hparams
+        return DataLoader(self.dataset(split, k), batch_size=hp.batch_size if train
+                          else hp.eval_batch_size, shuffle=train, num_workers=hp.num_workers,
+                          persistent_workers=False)
+
+    def train_dataloader(self) -> DataLoader:
+        epoch = self.trainer.current_epoch if self.trainer else None
+        return self._loader("train", True, self.current_k(epoch))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("valid", False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.hparams.predict_split, False)

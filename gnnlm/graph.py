@@ -1,0 +1,154 @@
+"""The GNN-LM graph (Meng et al. 2022, §2.2): schema and a vectorised builder.
+
+One sample is a block of T target tokens. Its graph has two node types:
+
+- ``ctx``: the block's tokens, in sequence order (feature = their base-LM feature);
+- ``nbr``: for each target token, its top k retrieved train positions p, each widened to the
+  window p−l … p+r (feature = the train feature at that position). Windows are not
+  deduplicated: every (target token, retrieved p) pair owns its own nodes, as in the paper's
+  Figure 1, so a train position retrieved twice appears twice.
+
+and three edge types (PyG convention: ``edge_index[0]`` = source, ``edge_index[1]`` = target):
+
+- ``("ctx", "intra", "ctx")``: causal j → i for j ≤ i, self loop included (a Transformer seen as
+  a graph); ``GraphConfig.ctx_window = w`` keeps only i − w < j ≤ i;
+- ``("nbr", "intra", "nbr")``: between nodes at adjacent offsets of one window, both directions,
+  plus a self loop on every nbr node so each one receives a message in every layer;
+- ``("nbr", "inter", "ctx")``: every node of a window → the ctx node that retrieved it.
+
+Leakage (§3.1 "Data Leakage Prevention"): for train-split graphs ``exclude_radius = W`` drops
+every window node q with |q − t| < W, t the split position of the token that retrieved it. The
+neighbour file already masks retrieved positions p, but widening p to p±1 can step back inside.
+A window cut by clipping to [0, n_train) or by this rule keeps its surviving nodes, and only
+nodes adjacent in position and both present are joined.
+
+Datastore positions are plain node attributes (``split_pos``, ``train_pos``): no name contains
+``index`` or ``batch``, which PyG would offset when batching, nor ``pos``, which it treats as
+coordinates. Building is numpy on [T, k, l+r+1] arrays: no loop per token or per neighbour.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch_geometric.data import HeteroData
+
+NODE_TYPES = ("ctx", "nbr")
+RELATIONS = ("intra", "inter")
+CTX_INTRA = ("ctx", "intra", "ctx")
+NBR_INTRA = ("nbr", "intra", "nbr")
+NBR_INTER = ("nbr", "inter", "ctx")
+EDGE_TYPES = (CTX_INTRA, NBR_INTRA, NBR_INTER)
+METADATA = (NODE_TYPES, EDGE_TYPES)  # what PyG layers take as ``metadata``
+
+
+@dataclass
+class GraphConfig:
+    """Window sizes and neighbour count (paper defaults: l = r = 1, k = 128 of K = 1024)."""
+    left: int = 1
+    right: int = 1
+    k: int = 32
+    ctx_window: int | None = None
+
+    def __post_init__(self):
+        if self.left < 0 or self.right < 0:
+            raise ValueError(f"Window sizes must be non-negative "
+                             f"(got left={self.left}, right={self.right}).")
+        if self.k < 1:
+            raise ValueError(f"k must be at least 1 (got {self.k}).")
+        if self.ctx_window is not None and self.ctx_window < 1:
+            raise ValueError(f"ctx_window must be None or at least 1 (got {self.ctx_window}).")
+
+    @property
+    def width(self) -> int:
+        """Nodes in one unclipped neighbour window."""
+        return self.left + self.right + 1
+
+
+def graph_sizes(T: int, config: GraphConfig) -> dict:
+    """Node and edge counts of a block of ``T`` tokens when all k neighbours are present and no
+    window is clipped or excluded (an upper bound; for benchmarks and memory planning)."""
+    w = T if config.ctx_window is None else min(config.ctx_window, T)
+    n_nbr = T * config.k * config.width
+    return {
+        "ctx": T,
+        "nbr": n_nbr,
+        CTX_INTRA: T * w - w * (w - 1) // 2,  # target i has min(i + 1, w) sources
+        NBR_INTRA: n_nbr + 2 * T * config.k * (config.width - 1),
+        NBR_INTER: n_nbr,
+    }
+
+
+def _edges(src: np.ndarray, dst: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.stack([src, dst]).astype(np.int64))  # [2, E]
+
+
+def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
+                exclude_radius: int = 0) -> HeteroData:
+    """The graph of one block of T target tokens.
+
+    Args:
+        ctx_pos: int [T], split positions of the block's target tokens, in sequence order
+            (causal edges follow this row order; gaps between positions are allowed).
+        nbr_ids: int [T, K], retrieved train positions, best first, -1 = none. The first
+            ``config.k`` columns are used.
+        n_train: train datastore size; windows are clipped to [0, n_train).
+        config: window sizes, k and the ctx window.
+        exclude_radius: W > 0 for train-split graphs: drop window nodes q with |q − t| < W.
+
+    Node attributes (all int64): ``ctx.split_pos`` [T]; ``nbr.train_pos``, ``nbr.offset``
+    (−l … r, 0 = the retrieved token), ``nbr.rank`` (0 … k−1) and ``nbr.owner_local`` (the ctx
+    row that retrieved it), each [n_nbr]. ``owner_local`` is per graph: PyG does not offset it
+    when batching; after batching use ``edge_index[1]`` of ``("nbr", "inter", "ctx")``, whose
+    e-th edge starts at nbr node e.
+    """
+    ctx_pos = np.asarray(ctx_pos, dtype=np.int64)
+    nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
+    if ctx_pos.ndim != 1:
+        raise ValueError(f"ctx_pos must be 1-D [T] (got shape {ctx_pos.shape}).")
+    T = ctx_pos.shape[0]
+    if nbr_ids.ndim != 2 or nbr_ids.shape[0] != T:
+        raise ValueError(f"nbr_ids must be [T, K] with T = {T} (got shape {nbr_ids.shape}).")
+    if exclude_radius < 0:
+        raise ValueError(f"exclude_radius must be non-negative (got {exclude_radius}).")
+    if nbr_ids.size and (nbr_ids.min() < -1 or nbr_ids.max() >= n_train):
+        raise ValueError(f"nbr_ids must lie in [-1, n_train = {n_train}) "
+                         f"(got {nbr_ids.min()} … {nbr_ids.max()}).")
+
+    # ctx → ctx: target i receives from i - d for d = 0 … w-1 (d = 0 is the self loop)
+    w = T if config.ctx_window is None else min(config.ctx_window, T)
+    ctx_dst = np.broadcast_to(np.arange(T)[:, None], (T, w))           # [T, w]
+    ctx_src = ctx_dst - np.arange(w)[None, :]                          # [T, w]
+    causal = ctx_src >= 0
+
+    # neighbour windows, laid out [T, k, width]: node ids follow this row-major order
+    ids = nbr_ids[:, :config.k]                                        # [T, k]
+    offsets = np.arange(-config.left, config.right + 1)                # [width]
+    q = ids[:, :, None] + offsets                                      # [T, k, width]
+    keep = (ids[:, :, None] >= 0) & (q >= 0) & (q < n_train)           # [T, k, width]
+    if exclude_radius > 0:
+        keep &= np.abs(q - ctx_pos[:, None, None]) >= exclude_radius
+    node = (np.cumsum(keep) - 1).reshape(keep.shape)                   # [T, k, width]
+    owner, rank, slot = np.nonzero(keep)                               # each [n_nbr]
+    n_nbr = owner.shape[0]
+
+    # adjacent slots of one window are adjacent train positions: join those both kept
+    pair = keep[..., :-1] & keep[..., 1:]                              # [T, k, width-1]
+    left_node = node[..., :-1][pair]                                  # [n_pairs]
+    right_node = node[..., 1:][pair]                                  # [n_pairs]
+    loops = np.arange(n_nbr)
+
+    data = HeteroData()
+    data["ctx"].num_nodes = T
+    data["ctx"].split_pos = torch.from_numpy(ctx_pos.copy())
+    data["nbr"].num_nodes = n_nbr
+    data["nbr"].train_pos = torch.from_numpy(q[keep])
+    data["nbr"].offset = torch.from_numpy(offsets[slot])
+    data["nbr"].rank = torch.from_numpy(rank.astype(np.int64))
+    data["nbr"].owner_local = torch.from_numpy(owner.astype(np.int64))
+    data[CTX_INTRA].edge_index = _edges(ctx_src[causal], ctx_dst[causal])
+    data[NBR_INTRA].edge_index = _edges(np.concatenate([loops, left_node, right_node]),
+                                        np.concatenate([loops, right_node, left_node]))
+    data[NBR_INTER].edge_index = _edges(loops, owner)
+    return data

@@ -1,0 +1,191 @@
+"""gnnlm.graph: exact edge sets on a hand-worked block, leakage exclusion, batching."""
+import numpy as np
+import pytest
+import torch
+from torch_geometric.data import Batch
+
+from gnnlm.graph import (CTX_INTRA, EDGE_TYPES, METADATA, NBR_INTER, NBR_INTRA, NODE_TYPES,
+                         GraphConfig, build_graph, graph_sizes)
+
+# Hand-worked block: T = 3 valid tokens at split positions 10, 11, 12; K = 2; l = r = 1;
+# n_train = 20. Token 0 retrieved 5 and 0 (window of 0 clipped at -1), token 1 retrieved 19
+# (window clipped at 20) and nothing, token 2 retrieved 7 and 8 (windows overlap, kept twice).
+CTX_POS = np.array([10, 11, 12])
+NBR_IDS = np.array([[5, 0], [19, -1], [7, 8]])
+N_TRAIN = 20
+# nbr nodes in (token, rank, offset) order:
+#   0:4 1:5 2:6 | 3:0 4:1 | 5:18 6:19 | 7:6 8:7 9:8 | 10:7 11:8 12:9
+TRAIN_POS = [4, 5, 6, 0, 1, 18, 19, 6, 7, 8, 7, 8, 9]
+OFFSET = [-1, 0, 1, 0, 1, -1, 0, -1, 0, 1, -1, 0, 1]
+RANK = [0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1]
+OWNER = [0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2]
+ADJACENT = {(0, 1), (1, 2), (3, 4), (5, 6), (7, 8), (8, 9), (10, 11), (11, 12)}
+
+
+def edge_set(data, edge_type):
+    return set(map(tuple, data[edge_type].edge_index.t().tolist()))
+
+
+def test_schema():
+    assert METADATA == (NODE_TYPES, EDGE_TYPES)
+    assert EDGE_TYPES == (("ctx", "intra", "ctx"), ("nbr", "intra", "nbr"),
+                          ("nbr", "inter", "ctx"))
+    data = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(k=2))
+    assert set(data.node_types) == set(NODE_TYPES) and set(data.edge_types) == set(EDGE_TYPES)
+    for node_type in NODE_TYPES:
+        for key, value in data[node_type].items():
+            assert "index" not in key and "batch" not in key and "pos" != key
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == torch.int64
+    for edge_type in EDGE_TYPES:
+        assert data[edge_type].edge_index.dtype == torch.int64
+
+
+def test_hand_worked_example():
+    data = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(left=1, right=1, k=2))
+    assert data["ctx"].num_nodes == 3 and data["nbr"].num_nodes == 13
+    assert data["ctx"].split_pos.tolist() == [10, 11, 12]
+    assert data["nbr"].train_pos.tolist() == TRAIN_POS
+    assert data["nbr"].offset.tolist() == OFFSET
+    assert data["nbr"].rank.tolist() == RANK
+    assert data["nbr"].owner_local.tolist() == OWNER
+    assert edge_set(data, CTX_INTRA) == {(0, 0), (0, 1), (1, 1), (0, 2), (1, 2), (2, 2)}
+    loops = {(i, i) for i in range(13)}
+    assert edge_set(data, NBR_INTRA) == loops | ADJACENT | {(b, a) for a, b in ADJACENT}
+    assert data[NBR_INTRA].edge_index.shape[1] == 13 + 2 * 8  # no duplicates
+    assert edge_set(data, NBR_INTER) == {(i, OWNER[i]) for i in range(13)}
+    # the e-th inter edge starts at nbr node e: the owner survives batching through it
+    assert data[NBR_INTER].edge_index[0].tolist() == list(range(13))
+
+
+def test_ctx_window():
+    data = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(k=2, ctx_window=2))
+    assert edge_set(data, CTX_INTRA) == {(0, 0), (0, 1), (1, 1), (1, 2), (2, 2)}
+    data = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(k=2, ctx_window=1))
+    assert edge_set(data, CTX_INTRA) == {(0, 0), (1, 1), (2, 2)}
+
+
+def test_k_truncation_and_window_sizes():
+    data = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(left=1, right=1, k=1))
+    assert data["nbr"].train_pos.tolist() == [4, 5, 6, 18, 19, 6, 7, 8]
+    assert data["nbr"].rank.tolist() == [0] * 8
+    data = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(left=0, right=2, k=2))
+    assert data["nbr"].train_pos.tolist() == [5, 6, 7, 0, 1, 2, 19, 7, 8, 9, 8, 9, 10]
+    assert data["nbr"].offset.tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 1, 2, 0, 1, 2]
+
+
+def test_leakage_exclusion_hand_worked():
+    # W = 2, token at 11 retrieved 9 (window 8 9 10: 10 is inside) and token at 12 retrieved 14
+    # (window 13 14 15: 13 is inside). A retrieved p inside the radius itself (p = t with W = 1
+    # below) is dropped too, and the two halves of its window stay unconnected.
+    data = build_graph([11, 12], [[9], [14]], 20, GraphConfig(k=1), exclude_radius=2)
+    assert data["nbr"].train_pos.tolist() == [8, 9, 14, 15]
+    assert data["nbr"].offset.tolist() == [-1, 0, 0, 1]
+    assert edge_set(data, NBR_INTRA) == {(0, 0), (1, 1), (2, 2), (3, 3),
+                                         (0, 1), (1, 0), (2, 3), (3, 2)}
+    assert edge_set(data, NBR_INTER) == {(0, 0), (1, 0), (2, 1), (3, 1)}
+    data = build_graph([5], [[5]], 10, GraphConfig(k=1), exclude_radius=1)
+    assert data["nbr"].train_pos.tolist() == [4, 6]
+    assert edge_set(data, NBR_INTRA) == {(0, 0), (1, 1)}
+
+
+def reference_graph(ctx_pos, nbr_ids, n_train, cfg, radius):
+    """Loop-by-loop reading of the schema; nodes named by (owner, rank, offset)."""
+    nodes, ctx_edges, intra, inter = {}, set(), set(), set()
+    for i in range(len(ctx_pos)):
+        for j in range(i + 1):
+            if cfg.ctx_window is None or i - j < cfg.ctx_window:
+                ctx_edges.add((j, i))
+        for rank, p in enumerate(nbr_ids[i][:cfg.k]):
+            if p < 0:
+                continue
+            for off in range(-cfg.left, cfg.right + 1):
+                q = p + off
+                if 0 <= q < n_train and abs(q - ctx_pos[i]) >= radius:
+                    nodes[(i, rank, off)] = q
+    for (i, rank, off) in nodes:
+        intra.add(((i, rank, off), (i, rank, off)))
+        inter.add(((i, rank, off), i))
+        if (i, rank, off + 1) in nodes:
+            intra.add(((i, rank, off), (i, rank, off + 1)))
+            intra.add(((i, rank, off + 1), (i, rank, off)))
+    return nodes, ctx_edges, intra, inter
+
+
+@pytest.mark.parametrize("radius", [0, 5])
+def test_random_block_matches_loop_reference(radius):
+    rng = np.random.default_rng(radius)
+    T, K, n_train = 16, 8, 60
+    cfg = GraphConfig(left=2, right=3, k=6, ctx_window=5)
+    ctx_pos = 20 + np.arange(T) * 2  # gaps between positions are allowed
+    nbr_ids = rng.integers(0, n_train, size=(T, K))
+    nbr_ids[rng.random((T, K)) < 0.2] = -1
+    data = build_graph(ctx_pos, nbr_ids, n_train, cfg, exclude_radius=radius)
+
+    nbr = data["nbr"]
+    names = list(zip(nbr.owner_local.tolist(), nbr.rank.tolist(), nbr.offset.tolist()))
+    nodes, ctx_edges, intra, inter = reference_graph(ctx_pos, nbr_ids, n_train, cfg, radius)
+    assert dict(zip(names, nbr.train_pos.tolist())) == nodes and len(names) == len(nodes)
+    assert edge_set(data, CTX_INTRA) == ctx_edges
+    assert {(names[a], names[b]) for a, b in edge_set(data, NBR_INTRA)} == intra
+    assert {(names[a], b) for a, b in edge_set(data, NBR_INTER)} == inter
+    if radius:
+        owner_pos = torch.from_numpy(ctx_pos)[nbr.owner_local]
+        assert ((nbr.train_pos - owner_pos).abs() >= radius).all()
+        assert len(nodes) < len(reference_graph(ctx_pos, nbr_ids, n_train, cfg, 0)[0])
+
+
+def test_graph_sizes_bound_a_full_block():
+    cfg = GraphConfig(left=1, right=2, k=3, ctx_window=4)
+    T = 6
+    nbr_ids = np.arange(T * 5).reshape(T, 5) + 10  # all present, none clipped
+    data = build_graph(np.arange(T), nbr_ids, 100, cfg)
+    sizes = graph_sizes(T, cfg)
+    assert sizes["ctx"] == data["ctx"].num_nodes and sizes["nbr"] == data["nbr"].num_nodes
+    for edge_type in EDGE_TYPES:
+        assert sizes[edge_type] == data[edge_type].edge_index.shape[1]
+
+
+def test_batching_keeps_positions_and_offsets_edges():
+    first = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(k=2))
+    second = build_graph([3, 4], [[15, 2], [-1, 9]], N_TRAIN, GraphConfig(k=2))
+    batch = Batch.from_data_list([first, second])
+    n1, t1 = first["nbr"].num_nodes, first["ctx"].num_nodes
+    assert batch["nbr"].train_pos.tolist() == TRAIN_POS + second["nbr"].train_pos.tolist()
+    assert batch["ctx"].split_pos.tolist() == [10, 11, 12, 3, 4]
+    assert batch["nbr"].offset.tolist() == OFFSET + second["nbr"].offset.tolist()
+    shift = {"ctx": t1, "nbr": n1}
+    for src, rel, dst in EDGE_TYPES:
+        expected = torch.cat([first[src, rel, dst].edge_index,
+                              second[src, rel, dst].edge_index
+                              + torch.tensor([[shift[src]], [shift[dst]]])], dim=1)
+        assert torch.equal(batch[src, rel, dst].edge_index, expected)
+    assert batch["nbr"].batch.tolist() == [0] * n1 + [1] * second["nbr"].num_nodes
+
+
+def test_no_neighbours_gives_an_empty_nbr_set_that_batches():
+    empty = build_graph([7, 8], np.full((2, 4), -1), N_TRAIN, GraphConfig(k=4))
+    assert empty["nbr"].num_nodes == 0 and empty["nbr"].train_pos.shape == (0,)
+    assert empty[NBR_INTRA].edge_index.shape == (2, 0)
+    assert empty[NBR_INTER].edge_index.shape == (2, 0)
+    assert edge_set(empty, CTX_INTRA) == {(0, 0), (0, 1), (1, 1)}
+    full = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(k=2))
+    batch = Batch.from_data_list([empty, full])
+    assert batch["nbr"].num_nodes == 13 and batch["ctx"].num_nodes == 5
+    assert batch[NBR_INTER].edge_index[1].min().item() == 2  # owners moved past the empty block
+    assert batch["nbr"].batch.tolist() == [1] * 13
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"\(got"):
+        GraphConfig(left=-1)
+    with pytest.raises(ValueError, match=r"\(got"):
+        GraphConfig(k=0)
+    with pytest.raises(ValueError, match=r"\(got"):
+        GraphConfig(ctx_window=0)
+    with pytest.raises(ValueError, match=r"\(got"):
+        build_graph(CTX_POS, NBR_IDS[:2], N_TRAIN, GraphConfig())
+    with pytest.raises(ValueError, match=r"\(got"):
+        build_graph(CTX_POS, NBR_IDS, 19, GraphConfig())  # id 19 is outside the datastore
+    with pytest.raises(ValueError, match=r"\(got"):
+        build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(), exclude_radius=-1)
