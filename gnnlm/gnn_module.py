@@ -8,7 +8,7 @@ checkpoints; ``attach_output_embedding`` sets it when the module is used outside
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch.nn import functional as F
@@ -19,6 +19,8 @@ from gnnlm.training import TokenLevelModule
 
 
 class GNNLM(TokenLevelModule):
+    uses_output_embedding = True
+
     def __init__(self, vocab_size: int = 0, feature_dim: int = 0, num_layers: int = 3,
                  heads: int = 4, dropout: float = 0.1, layer_norm: bool = False,
                  kind: Literal["gnnlm", "hgt"] = "gnnlm", zero_init_output: bool = True,
@@ -32,28 +34,11 @@ class GNNLM(TokenLevelModule):
         self.gnn = GNNStack(feature_dim, METADATA, num_layers=num_layers, heads=heads,
                             dropout=dropout, layer_norm=layer_norm, kind=kind,
                             zero_init_output=zero_init_output)
-        self.register_buffer("out_weight", torch.empty(0), persistent=False)
-        self.register_buffer("out_bias", torch.empty(0), persistent=False)
-
-    def attach_output_embedding(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        V, d = weight.shape
-        if d != self.hparams.feature_dim or (self.hparams.vocab_size and V != self.hparams.vocab_size):
-            raise ValueError(f"output embedding is {V}×{d} but the model expects "
-                             f"{self.hparams.vocab_size}×{self.hparams.feature_dim}.")
-        self.out_weight = weight.to(self.device, torch.float32)
-        self.out_bias = (bias if bias is not None else torch.zeros(V)).to(self.device,
-                                                                        torch.float32)
-
-    def setup(self, stage: str) -> None:
-        if self.out_weight.numel() == 0 and self.trainer is not None:
-            self.attach_output_embedding(*self.trainer.datamodule.output_embedding())
 
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
-        if self.out_weight.numel() == 0:
-            raise RuntimeError("No output embedding: call attach_output_embedding(W, b) first.")
         h = self.gnn(batch.x_dict, batch.edge_index_dict)["ctx"]          # [n_ctx, d]
-        return F.linear(h, self.out_weight, self.out_bias)
+        return F.linear(h, *self.output_embedding())
 
     def token_nll(self, batch, stage: str):
         nll = F.cross_entropy(self(batch).float(), batch["ctx"].y, reduction="none")

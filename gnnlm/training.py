@@ -18,11 +18,40 @@ from gnnlm.optim import adamw_warmup_cosine
 
 
 class TokenLevelModule(pl.LightningModule):
-    """Needs hparams ``lr``, ``weight_decay``, ``warmup_steps``, ``min_lr_ratio``."""
+    """Needs hparams ``lr``, ``weight_decay``, ``warmup_steps``, ``min_lr_ratio``.
+
+    Heads on frozen features set ``uses_output_embedding = True``: the base LM's output embedding
+    is then taken from the data module at ``setup`` into non-persistent buffers ``out_weight`` /
+    ``out_bias`` (kept out of checkpoints), or set with ``attach_output_embedding``.
+    """
+    uses_output_embedding = False
 
     def __init__(self):
         super().__init__()
         self.val_nll, self.test_nll = TokenNLL(), TokenNLL()
+        if self.uses_output_embedding:
+            self.register_buffer("out_weight", torch.empty(0), persistent=False)
+            self.register_buffer("out_bias", torch.empty(0), persistent=False)
+
+    def attach_output_embedding(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        V, d = weight.shape
+        hp = self.hparams
+        if d != hp.feature_dim or (hp.vocab_size and V != hp.vocab_size):
+            raise ValueError(f"The output embedding is {V}×{d} but the model was built for "
+                             f"vocab_size={hp.vocab_size}, feature_dim={hp.feature_dim}.")
+        self.out_weight = weight.to(self.device, torch.float32)
+        self.out_bias = (bias if bias is not None else torch.zeros(V)).to(self.device,
+                                                                        torch.float32)
+
+    def setup(self, stage: str) -> None:
+        if (self.uses_output_embedding and self.out_weight.numel() == 0
+                and self.trainer is not None and self.trainer.datamodule is not None):
+            self.attach_output_embedding(*self.trainer.datamodule.output_embedding())
+
+    def output_embedding(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.out_weight.numel() == 0:
+            raise RuntimeError("No output embedding: call attach_output_embedding(W, b) first.")
+        return self.out_weight, self.out_bias
 
     def token_nll(self, batch, stage: str) -> tuple[torch.Tensor, torch.Tensor,
                                                    Optional[torch.Tensor]]:

@@ -1,0 +1,67 @@
+"""Output heads on frozen base-LM features: the SPALM gate and learned datastore embeddings.
+
+Both are plain ``nn.Module``s (the maths); ``gnnlm.head_modules`` wires them to Lightning.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+class SpalmGate(nn.Module):
+    r"""SPALM long-term memory (Yogatama et al. 2021, §2; spalm-notes.md):
+
+    .. math::
+        m_t = \sum_{k=1}^K \frac{\exp y_k^\top h_t}{\sum_j \exp y_j^\top h_t}\, y_k, \quad
+        g_t = \sigma(w_g^\top h_t), \quad
+        z_t = (1 - g_t) \odot m_t + g_t \odot h_t, \quad
+        p(x_{t+1} \mid x_{\le t}) = \mathrm{softmax}(W z_t)
+
+    where y_k are the word embeddings of the K retrieved next tokens and W is the word embedding
+    shared by input and output (here: the frozen base LM's output embedding, or a trainable copy).
+    Deviation, documented: w_g has a bias (``gate_bias``, default 2.0 so g starts near 0.88),
+    so training starts close to the base LM instead of halfway to an untrained memory.
+    """
+
+    def __init__(self, dim: int, gate_bias: float = 2.0):
+        super().__init__()
+        self.gate = nn.Linear(dim, 1)
+        nn.init.zeros_(self.gate.weight)
+        nn.init.constant_(self.gate.bias, gate_bias)
+
+    def forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
+                force_gate: Optional[float] = None) -> tuple[Tensor, Tensor]:
+        """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B])``."""
+        valid = nbr_values >= 0                                           # [B, K]
+        y = weight[nbr_values.clamp(min=0)]                               # [B, K, d]
+        scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
+        attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)              # no neighbour → m = 0
+        m = torch.einsum("bk,bkd->bd", attn, y)                           # [B, d]
+        g = torch.sigmoid(self.gate(h)).squeeze(-1) if force_gate is None \
+            else h.new_full(h.shape[:1], float(force_gate))               # [B]
+        z = (1 - g)[:, None] * m + g[:, None] * h
+        return F.linear(z, weight, bias), g
+
+
+class MultiEmbeddingSoftmax(nn.Module):
+    r"""A learned W_ds (Xu et al. 2023, §4.1–4.2): ``n`` embeddings per word, [n·V, d].
+
+    p_ds(w | h) = Σ_{i<n} softmax(W_ds h)[i·V + w]: a softmax over all n·V rows whose
+    probabilities are summed per word (n = 1 is a plain softmax). Rows are initialised at random,
+    as in the paper, and trained with the base LM frozen.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, n: int = 1):
+        super().__init__()
+        if n < 1:
+            raise ValueError(f"n (embeddings per word) must be at least 1 (got {n}).")
+        self.vocab_size, self.n = vocab_size, n
+        self.weight = nn.Parameter(torch.randn(n * vocab_size, dim) * 0.02)
+
+    def forward(self, h: Tensor) -> Tensor:
+        """``h [B, d]`` → log p_ds ``[B, V]``."""
+        logp = torch.log_softmax(h @ self.weight.T, dim=-1)               # [B, n·V]
+        return logp.view(-1, self.n, self.vocab_size).logsumexp(dim=1)    # [B, V]

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from gnnlm.heads import MultiEmbeddingSoftmax, SpalmGate
+from gnnlm.models.gpt import GPT, GPTConfig
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    V, d, B, K = 40, 8, 5, 4
+    weight, bias = torch.randn(V, d), torch.randn(V)
+    h = torch.randn(B, d)
+    values = torch.randint(0, V, (B, K))
+    values[0, 2:] = -1           # fewer neighbours
+    values[1] = -1               # none at all
+    return SpalmGate(d), h, values, weight, bias
+
+
+def test_spalm_gate_one_is_exactly_the_base_lm(setup):
+    gate, h, values, weight, bias = setup
+    logits, g = gate(h, values, weight, bias, force_gate=1.0)
+    torch.testing.assert_close(logits, h @ weight.T + bias, rtol=0, atol=0)
+    assert torch.all(g == 1)
+
+
+def test_spalm_gate_zero_predicts_from_memory_alone(setup):
+    gate, h, values, weight, bias = setup
+    logits, _ = gate(h, values, weight, bias, force_gate=0.0)
+    for b in range(h.shape[0]):
+        ys = weight[values[b][values[b] >= 0]]
+        if len(ys) == 0:
+            expected = bias                               # m = 0: nothing retrieved
+        else:
+            attn = torch.softmax(ys @ h[b], dim=0)
+            expected = (attn @ ys) @ weight.T + bias
+        torch.testing.assert_close(logits[b], expected)
+
+
+def test_spalm_learned_gate_is_between(setup):
+    gate, h, values, weight, bias = setup
+    logits, g = gate(h, values, weight, bias)
+    assert torch.all((g > 0) & (g < 1))
+    z_logits = [gate(h, values, weight, bias, force_gate=x)[0] for x in (0.0, 1.0)]
+    mix = (1 - g)[:, None] * z_logits[0] + g[:, None] * z_logits[1]   # W z is linear in g
+    torch.testing.assert_close(logits, mix, atol=1e-5, rtol=1e-5)
+
+
+def test_multi_embedding_with_one_row_per_word_is_a_plain_softmax():
+    torch.manual_seed(0)
+    head = MultiEmbeddingSoftmax(vocab_size=30, dim=6, n=1)
+    h = torch.randn(7, 6)
+    torch.testing.assert_close(head(h), torch.log_softmax(h @ head.weight.T, -1))
+
+
+def test_multi_embedding_sums_probabilities_per_word():
+    torch.manual_seed(0)
+    head = MultiEmbeddingSoftmax(vocab_size=5, dim=3, n=3)
+    h = torch.randn(2, 3)
+    probs = torch.softmax(h @ head.weight.T, -1).view(2, 3, 5).sum(1)
+    torch.testing.assert_close(head(h).exp(), probs)
+    torch.testing.assert_close(head(h).exp().sum(-1), torch.ones(2))
+    with pytest.raises(ValueError, match="got 0"):
+        MultiEmbeddingSoftmax(5, 3, n=0)
+
+
+def _gpt(memory_length):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, context_length=8, n_layer=2, n_head=2, d_model=16,
+                         d_ff=32, dropout=0.0, memory_length=memory_length)).eval()
+
+
+def test_transformer_xl_memory_carries_the_previous_segment():
+    model = _gpt(memory_length=8)
+    prev_a, prev_b = torch.randint(0, 50, (2, 1, 8))
+    current = torch.randint(0, 50, (1, 8))
+    mem_a, mem_b = model(prev_a).memory, model(prev_b).memory
+    assert len(mem_a) == 2 and mem_a[0].shape == (1, 8, 16) and not mem_a[0].requires_grad
+    out_a, out_b = model(current, memory=mem_a), model(current, memory=mem_b)
+    assert not torch.allclose(out_a.final, out_b.final, atol=1e-4)
+    # without memory the previous segment has no effect
+    no_mem = _gpt(memory_length=0)
+    torch.testing.assert_close(no_mem(current).final, no_mem(current).final)
+    assert no_mem(prev_a).memory is None
+
+
+def test_memory_positions_are_relative():
+    """With rotary positions, [memory | segment] equals one forward pass over the joined text."""
+    model = _gpt(memory_length=8)
+    a, b = torch.randint(0, 50, (2, 1, 8))
+    with torch.no_grad():
+        joined = model(torch.cat([a, b], dim=1)).final[:, 8:]
+        # the memory of layer l is that layer's input for segment a: exact Transformer-XL
+        stepped = model(b, memory=model(a).memory).final
+    torch.testing.assert_close(stepped, joined, atol=1e-5, rtol=1e-5)

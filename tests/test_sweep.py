@@ -1,0 +1,73 @@
+"""The sweep report: files, the valid-chosen point, test at that point, an offline W&B run."""
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from gnnlm.artifacts import ArtifactBuilder
+from gnnlm.knn import evaluate, fit
+from gnnlm.sweep import run_sweep
+
+
+def write_cache(path, n, K, seed, scores="faiss"):
+    """A kNN cache artifact whose kNN part helps: hits concentrate on the best neighbours."""
+    rng = np.random.default_rng(seed)
+    sims = -np.sort(rng.exponential(1.0, (n, K)), axis=1).astype(np.float32)
+    hits = rng.random((n, K)) < np.linspace(0.5, 0.05, K)[None]
+    lm = np.log(rng.uniform(0.005, 0.3, n)).astype(np.float32)
+    builder = ArtifactBuilder(path, kind="knn_cache", config={"seed": seed})
+    with builder:
+        builder.array("lm_logprob", np.float32, (n,))[:] = lm
+        builder.array("sims", np.float32, (n, K))[:] = sims
+        builder.array("hits", np.bool_, (n, K))[:] = hits
+        builder.finish(extra={"n": n, "K": K, "key": "att", "metric": "l2", "scores": scores,
+                              "base_lm": {"name": "fake-lm", "fingerprint": "weights-a"},
+                              "backend": "index", "factory": "Flat"})
+    return {"sims": sims, "hits": hits, "lm_logprob": lm}
+
+
+def test_sweep_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    valid = write_cache(tmp_path / "valid", 600, 32, seed=0)
+    test = write_cache(tmp_path / "test", 400, 32, seed=1)
+    ks, temps, lams = [4, 16, 32, 64], [0.5, 1.0, 2.0], [0.0, 0.1, 0.3, 0.6]
+    out = tmp_path / "report"
+    result = run_sweep(tmp_path / "valid", tmp_path / "test", out, ks, temps, lams)
+    # k = 64 exceeds the caches' K = 32 and is dropped (32 is already in the grid).
+    assert result["grid"]["k"] == [4, 16, 32]
+    best = fit(valid, [4, 16, 32], temps, lams)
+    assert (result["k"], result["temperature"], result["lambda"]) == \
+        (best["k"], best["temperature"], best["lambda"])
+    assert result["valid_ppl"] == pytest.approx(best["ppl"])
+    assert result["valid_ppl"] < result["base_valid_ppl"]  # this kNN part helps
+    assert result["test_ppl"] == pytest.approx(
+        evaluate(test, result["k"], result["temperature"], result["lambda"]))
+    assert result["base_test_ppl"] == pytest.approx(np.exp(-test["lm_logprob"].mean()), rel=1e-5)
+    assert result["points"] == 36 and result["points_per_s"] > 0
+    for name in ("sweep.csv", "sweep.md", "sweep_heatmap.png", "sweep.json"):
+        assert (out / name).stat().st_size > 0
+    with open(out / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 36 and set(rows[0]) == {"k", "temperature", "lambda", "valid_ppl"}
+    best_row = min(rows, key=lambda r: float(r["valid_ppl"]))
+    assert (int(best_row["k"]), float(best_row["temperature"]), float(best_row["lambda"])) == \
+        (result["k"], result["temperature"], result["lambda"])
+    md = (out / "sweep.md").read_text()
+    assert f"{result['test_ppl']:.3f}" in md and f"{result['base_valid_ppl']:.3f}" in md
+    assert (out / "sweep_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "sweep.json").read_text())["k"] == result["k"]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+    assert result["wandb_dir"].startswith(str(out / "wandb"))
+
+
+def test_sweep_refuses_mismatched_caches(tmp_path):
+    write_cache(tmp_path / "valid", 50, 8, seed=0)
+    write_cache(tmp_path / "test", 50, 8, seed=1, scores="exact")
+    with pytest.raises(ValueError, match=r"differ in scores \(valid 'faiss', test 'exact'\)"):
+        run_sweep(tmp_path / "valid", tmp_path / "test", tmp_path / "out", [4], [1.0], [0.5],
+                  use_wandb=False)
