@@ -16,6 +16,7 @@ The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -88,6 +89,7 @@ class GraphDataModule(pl.LightningDataModule):
         neighbour files were masked with. ``train_tokens``/``eval_tokens`` keep split prefixes."""
         super().__init__()
         self.save_hyperparameters()
+        self.graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
         self.workdir = Path(workdir)
         try:
             train_manifest = read_manifest(features_dir(workdir, "train"), kind="features")
@@ -111,7 +113,7 @@ class GraphDataModule(pl.LightningDataModule):
 
     def current_k(self, epoch: Optional[int]) -> int:
         """k for a training epoch (the schedule's last k when ``epoch`` is None: evaluation)."""
-        schedule = sorted(tuple(s) for s in self.hparams.k_schedule or [(0, self.hparams.graph.k)])
+        schedule = sorted(tuple(s) for s in self.hparams.k_schedule or [(0, self.graph.k)])
         if epoch is None:
             return schedule[-1][1]
         return max((s for s in schedule if s[0] <= epoch), default=schedule[0])[1]
@@ -123,7 +125,7 @@ class GraphDataModule(pl.LightningDataModule):
 
     def dataset(self, split: str, k: Optional[int] = None) -> GraphBlocks:
         hp = self.hparams
-        graph = GraphConfig(**{**vars(hp.graph), "k": k or self.current_k(None)})
+        graph = dataclasses.replace(self.graph, k=k or self.current_k(None))
         limit = hp.train_tokens if split == "train" else hp.eval_tokens
         return GraphBlocks(self.workdir, split, hp.neighbors, hp.key, self.node_features(),
                            hp.block_size, graph,

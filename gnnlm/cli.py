@@ -36,7 +36,13 @@ def lightning_main(args: list[str] | None = None) -> GnnlmCLI:
                     save_config_kwargs={"overwrite": True})
 
 
-COMMANDS = {}  # name -> callable(args); filled by the pipeline stages' modules
+def pipeline_main(args: list[str]) -> None:
+    from gnnlm.pipeline import main
+
+    main(args)
+
+
+COMMANDS = {"pipeline": pipeline_main}  # commands besides LightningCLI's fit/validate/test
 
 
 def main(argv: list[str] | None = None) -> None:

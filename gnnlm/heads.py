@@ -16,33 +16,35 @@ class SpalmGate(nn.Module):
 
     .. math::
         m_t = \sum_{k=1}^K \frac{\exp y_k^\top h_t}{\sum_j \exp y_j^\top h_t}\, y_k, \quad
-        g_t = \sigma(w_g^\top h_t), \quad
+        g_t = \sigma(W_g h_t), \quad
         z_t = (1 - g_t) \odot m_t + g_t \odot h_t, \quad
         p(x_{t+1} \mid x_{\le t}) = \mathrm{softmax}(W z_t)
 
     where y_k are the word embeddings of the K retrieved next tokens and W is the word embedding
-    shared by input and output (here: the frozen base LM's output embedding, or a trainable copy).
-    Deviation, documented: w_g has a bias (``gate_bias``, default 2.0 so g starts near 0.88),
-    so training starts close to the base LM instead of halfway to an untrained memory.
+    shared by input and output (here: the frozen base LM's output embedding). The gate is a
+    vector g_t ∈ (0, 1)^d, one value per dimension (SPALM §5.3: "the g vector has 512
+    dimensions"), so some dimensions can carry memory while others keep the local context.
+    W_g has a bias (``gate_bias``, default 2.0: g starts near 0.88 and W_g at zero), so
+    training starts close to the base LM rather than halfway to an untrained memory.
     """
 
     def __init__(self, dim: int, gate_bias: float = 2.0):
         super().__init__()
-        self.gate = nn.Linear(dim, 1)
+        self.gate = nn.Linear(dim, dim)
         nn.init.zeros_(self.gate.weight)
         nn.init.constant_(self.gate.bias, gate_bias)
 
     def forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
                 force_gate: Optional[float] = None) -> tuple[Tensor, Tensor]:
-        """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B])``."""
+        """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B, d])``."""
         valid = nbr_values >= 0                                           # [B, K]
         y = weight[nbr_values.clamp(min=0)]                               # [B, K, d]
         scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
         attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)              # no neighbour → m = 0
         m = torch.einsum("bk,bkd->bd", attn, y)                           # [B, d]
-        g = torch.sigmoid(self.gate(h)).squeeze(-1) if force_gate is None \
-            else h.new_full(h.shape[:1], float(force_gate))               # [B]
-        z = (1 - g)[:, None] * m + g[:, None] * h
+        g = torch.sigmoid(self.gate(h)) if force_gate is None \
+            else torch.full_like(h, float(force_gate))                    # [B, d]
+        z = (1 - g) * m + g * h
         return F.linear(z, weight, bias), g
 
 

@@ -41,9 +41,14 @@ def test_spalm_learned_gate_is_between(setup):
     gate, h, values, weight, bias = setup
     logits, g = gate(h, values, weight, bias)
     assert torch.all((g > 0) & (g < 1))
-    z_logits = [gate(h, values, weight, bias, force_gate=x)[0] for x in (0.0, 1.0)]
-    mix = (1 - g)[:, None] * z_logits[0] + g[:, None] * z_logits[1]   # W z is linear in g
-    torch.testing.assert_close(logits, mix, atol=1e-5, rtol=1e-5)
+    assert g.shape == h.shape                                        # one gate per dimension
+    z_scalar = [gate(h, values, weight, bias, force_gate=x)[0] for x in (0.0, 1.0)]
+    with torch.no_grad():                                            # a constant gate: W z is
+        gate.gate.weight.zero_()                                     # linear in g
+        logits, g = gate(h, values, weight, bias)
+    c = g[:, :1]
+    torch.testing.assert_close(logits, (1 - c) * z_scalar[0] + c * z_scalar[1], atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_multi_embedding_with_one_row_per_word_is_a_plain_softmax():

@@ -1,0 +1,371 @@
+"""``gnnlm pipeline -c CONFIG``: every stage, in order, each skipped when its artifact is complete.
+
+    tokens → base LM (trained with LightningCLI unless given) → features (train/valid/test)
+    → per key type: index → neighbours → kNN-LM caches → (k, T, λ) fitted on valid
+    → PQ codes → GNN-LM head → GNN+kNN;  SPALM head;  learned W_ds head;  ablations
+    → reports/<name>/results.json, results.md, per-token scores and plots
+
+Trainable parts (base LM and heads) are ``gnnlm fit`` YAML configs run through LightningCLI with
+the pipeline's work directory; each becomes an artifact ``<workdir>/heads/<name>/`` holding its
+checkpoint and per-token log-probabilities of the valid and test targets, so that every row of
+the report scores exactly the same tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import yaml
+
+from gnnlm.artifacts import ArtifactBuilder, file_sha256, fingerprint, open_array, read_manifest
+from gnnlm.datastore import build_all_features, features_dir
+from gnnlm.index import IndexConfig, build_index, index_dir
+from gnnlm.knn import build_knn_cache, check_lambda, check_temperature, fit, knn_lm_logprob
+from gnnlm.models import BaseLM, load_base_lm
+from gnnlm.neighbors import NeighborsConfig, build_neighbors, neighbors_dir
+from gnnlm.pq import PQConfig, build_pq
+from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
+
+SPLITS = ("train", "valid", "test")
+EVAL_SPLITS = ("valid", "test")
+
+
+@dataclass
+class BaseLMStage:
+    """``ckpt``: a ``gnnlm fit`` checkpoint or ``hf:<name-or-folder>``; when None the base LM is
+    trained with ``config`` (a ``gnnlm fit`` YAML) into ``<workdir>/heads/base_lm``."""
+    ckpt: Optional[str] = None
+    config: Optional[str] = None
+
+
+@dataclass
+class CorpusStage:
+    """Where tokens come from when the base LM is not trained here (a trained LM's checkpoint
+    already names its corpus and tokenizer). For a Hugging Face base LM use tokenizer kind
+    ``hf`` with the model's path."""
+    name: str = "wikitext-2"
+    path: Optional[str] = None
+    data_dir: Optional[str] = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass
+class FeaturesStage:
+    """Sliding-window protocol (defaults: the base LM's context, stride context/2)."""
+    context: Optional[int] = None
+    stride: Optional[int] = None
+    batch_size: int = 32
+    device: str = "auto"
+    max_tokens: Optional[dict[str, int]] = None  # per-split prefixes, for quick runs
+
+
+@dataclass
+class KNNStage:
+    """Keys to compare (the first is the one the GNN+kNN row and the headline kNN-LM use), the
+    similarity, the (k, T, λ) grid fitted on valid, and FAISS or exact recomputed scores.
+    ``k``/``temperature``/``lambda_`` pin one value (W&B sweeps set them)."""
+    keys: list[str] = field(default_factory=lambda: ["final", "att"])
+    metric: str = "cos"
+    scores: str = "faiss"
+    ks: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256, 512, 1024])
+    temperatures: list[float] = field(default_factory=lambda: [0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
+                                                               1.0, 2.0])
+    lambdas: list[float] = field(default_factory=lambda: [round(0.05 * i, 2) for i in range(20)])
+    k: Optional[int] = None
+    temperature: Optional[float] = None
+    lambda_: Optional[float] = None
+
+    def grid(self) -> tuple[list[int], list[float], list[float]]:
+        ks = [self.k] if self.k is not None else list(self.ks)
+        ts = [self.temperature] if self.temperature is not None else list(self.temperatures)
+        ls = [self.lambda_] if self.lambda_ is not None else list(self.lambdas)
+        check_temperature(ts)
+        check_lambda(ls)
+        return ks, ts, ls
+
+
+@dataclass
+class HeadStage:
+    """A head trained with a ``gnnlm fit`` YAML (None: the row is skipped)."""
+    config: Optional[str] = None
+
+
+@dataclass
+class PipelineConfig:
+    name: str = "wikitext2"
+    workdir: str = "runs/wikitext2"
+    base_lm: BaseLMStage = field(default_factory=BaseLMStage)
+    corpus: Optional[CorpusStage] = None
+    features: FeaturesStage = field(default_factory=FeaturesStage)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    neighbors: NeighborsConfig = field(default_factory=NeighborsConfig)
+    knn: KNNStage = field(default_factory=KNNStage)
+    pq: PQConfig = field(default_factory=PQConfig)
+    gnn: HeadStage = field(default_factory=HeadStage)
+    spalm: HeadStage = field(default_factory=HeadStage)
+    learned_wds: HeadStage = field(default_factory=HeadStage)
+    rebuild: bool = False
+
+
+def auto_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+# -- trainable stages through LightningCLI ---------------------------------------------------
+def fit_with_cli(name: str, config: str, workdir: Path, extra_inputs: dict) -> dict:
+    """Train ``config`` (a ``gnnlm fit`` YAML) into ``<workdir>/heads/<name>`` unless done.
+
+    The artifact holds ``model.ckpt`` (the final weights) and, for heads, per-token
+    log-probabilities of the valid and test targets from ``predict``.
+    """
+    from gnnlm.cli import lightning_main  # LightningCLI is slow to import; only needed here
+
+    out = workdir / "heads" / name
+    builder = ArtifactBuilder(out, kind="trained_model",
+                              config={"name": name, "yaml": Path(config).read_text()},
+                              inputs=extra_inputs)
+    if builder.is_complete():
+        return read_manifest(out)
+    t0 = time.perf_counter()
+    with builder:
+        cli = lightning_main(["fit", "-c", config, f"--data.init_args.workdir={workdir}",
+                              f"--trainer.default_root_dir={workdir / 'logs' / name}"])
+        ckpt = builder.file("model.ckpt")
+        cli.trainer.save_checkpoint(ckpt)
+        metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+        extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
+                 "metrics": metrics, "model_class": type(cli.model).__name__}
+        if name != "base_lm":  # heads: per-token scores on exactly the report's tokens
+            for split in EVAL_SPLITS:
+                n = read_manifest(features_dir(workdir, split))["n"]
+                builder.array(f"{split}_logprob", np.float32, (n,))[...] = \
+                    predict_logprobs(cli.model, cli.datamodule, split, n)
+            extra.update(predict_extras(cli.model))
+        return builder.finish(extra=extra)
+
+
+def predict_logprobs(model, datamodule, split: str, n: int) -> np.ndarray:
+    """log p(target) for every position of ``split``, in position order, via ``predict``."""
+    import pytorch_lightning as pl
+
+    datamodule.hparams.predict_split = split
+    trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    outputs = trainer.predict(model, datamodule=datamodule)
+    positions = torch.cat([o["positions"] for o in outputs]).numpy()
+    logprob = np.full(n, np.nan, dtype=np.float32)
+    logprob[positions] = torch.cat([o["logprob"] for o in outputs]).numpy()
+    if len(positions) != n or np.isnan(logprob).any():
+        raise RuntimeError(f"predict on {split} scored {len(positions)} positions, expected each "
+                           f"of the {n} exactly once: the evaluation data module must partition "
+                           f"the split (no eval_tokens limit for reports).")
+    return logprob
+
+
+def predict_extras(model) -> dict:
+    """Per-model extras saved beside the scores (SPALM: gate values over the test split)."""
+    histogram = getattr(model, "gate_histogram", None)
+    if histogram is None:
+        return {}
+    counts = histogram.numpy()
+    centres = (np.arange(len(counts)) + 0.5) / len(counts)
+    return {"gate": {"histogram": counts.tolist(),
+                     "mean": float((counts * centres).sum() / max(counts.sum(), 1))}}
+
+
+def head_logprobs(manifest_dir: Path, split: str) -> np.ndarray:
+    return np.asarray(open_array(manifest_dir, f"{split}_logprob"))
+
+
+# -- the stages ------------------------------------------------------------------------------
+def stage_base_lm(cfg: PipelineConfig, workdir: Path) -> tuple[BaseLM, TokenStore, dict]:
+    """The frozen base LM and the tokens it reads (training it first when needed)."""
+    spec = cfg.base_lm
+    if spec.ckpt is None:
+        if spec.config is None:
+            raise ValueError("base_lm needs `ckpt` (a checkpoint or hf:<name>) or `config` (a "
+                             "`gnnlm fit` YAML to train one).")
+        manifest = fit_with_cli("base_lm", spec.config, workdir, {})
+        ckpt = str(workdir / "heads" / "base_lm" / manifest["ckpt"])
+    else:
+        ckpt, manifest = spec.ckpt, {}
+    model = load_base_lm(ckpt)
+    store = stage_tokens(cfg, workdir, ckpt)
+    if store.vocab_size != model.vocab_size:
+        raise ValueError(f"The base LM {model.name} has {model.vocab_size} outputs but the "
+                         f"tokenizer of {store.path} has {store.vocab_size} types: they must "
+                         f"match (for a Hugging Face LM use tokenizer kind 'hf' with its path).")
+    return model, store, manifest
+
+
+def stage_tokens(cfg: PipelineConfig, workdir: Path, ckpt: str) -> TokenStore:
+    corpus = cfg.corpus
+    if corpus is None and not ckpt.startswith("hf:"):
+        data = torch.load(ckpt, map_location="cpu", weights_only=False).get(
+            "datamodule_hyper_parameters", {})
+        if "corpus" in data:  # a `gnnlm fit` checkpoint names its corpus and tokenizer
+            tok = data.get("tokenizer") or {}
+            corpus = CorpusStage(name=data["corpus"], path=data.get("corpus_path"),
+                                 data_dir=data.get("data_dir"),
+                                 tokenizer=tok if isinstance(tok, TokenizerConfig)
+                                 else TokenizerConfig(**dict(tok)))
+    if corpus is None:
+        raise ValueError(f"Cannot tell which corpus and tokenizer the base LM {ckpt} reads: "
+                         f"add a `corpus:` section to the pipeline config.")
+    return build_tokens(workdir / "tokens", corpus.name, corpus.path, corpus.data_dir,
+                        corpus.tokenizer)
+
+
+def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdir: Path) -> dict:
+    fc = cfg.features
+    context = fc.context or model.context_length
+    stride = fc.stride or max(1, context // 2)
+    limits = fc.max_tokens or {}
+    return {split: build_all_features(
+        model, store, workdir, [split], context, stride, batch_size=fc.batch_size,
+        device=auto_device(fc.device), max_tokens=limits.get(split), rebuild=cfg.rebuild)[split]
+        for split in SPLITS}
+
+
+def retrieval_tag(key: str, metric: str) -> str:
+    return f"{key}-{metric}"
+
+
+def stage_retrieval(cfg: PipelineConfig, key: str, workdir: Path, leakage_window: int) -> dict:
+    """Index, neighbours of every split, and kNN caches of valid/test for one key type."""
+    tag = retrieval_tag(key, cfg.knn.metric)
+    index_cfg = IndexConfig(**{**asdict(cfg.index), "key": key, "metric": cfg.knn.metric})
+    build_index(features_dir(workdir, "train"), index_dir(workdir, tag), index_cfg,
+                rebuild=cfg.rebuild)
+    neighbors, caches = {}, {}
+    for split in SPLITS:
+        neighbors[split] = build_neighbors(
+            split, features_dir(workdir, split), features_dir(workdir, "train"),
+            index_dir(workdir, tag), neighbors_dir(workdir, split, tag), cfg.neighbors,
+            leakage_window=leakage_window, rebuild=cfg.rebuild, device=auto_device("auto"))
+    for split in EVAL_SPLITS:
+        caches[split] = cache_dir(workdir, tag, cfg.knn.scores, split)
+        build_knn_cache(split, features_dir(workdir, split), features_dir(workdir, "train"),
+                        neighbors_dir(workdir, split, tag), caches[split], scores=cfg.knn.scores,
+                        rebuild=cfg.rebuild)
+    return {"tag": tag, "index": read_manifest(index_dir(workdir, tag)),
+            "neighbors": neighbors, "caches": caches}
+
+
+def cache_dir(workdir: Path, tag: str, scores: str, split: str) -> Path:
+    return workdir / "knn_cache" / f"{tag}-{scores}" / split
+
+
+def fit_interpolation(valid: dict, test: dict, knn: KNNStage) -> dict:
+    """Fit (k, T, λ) on valid, score test: returns hparams, valid/test ppl and test log-probs.
+
+    ``valid``/``test`` map ``lm_logprob`` (any model's log p(target)), ``sims`` and ``hits``.
+    """
+    ks, ts, ls = knn.grid()
+    K = valid["sims"].shape[1]
+    ks = sorted({min(k, K) for k in ks})
+    best = fit(valid, ks, ts, ls)
+    test_logprob = knn_lm_logprob(test, best["k"], best["temperature"], best["lambda"])
+    return {"k": int(best["k"]), "temperature": float(best["temperature"]),
+            "lambda": float(best["lambda"]), "valid_ppl": float(best["ppl"]),
+            "test_logprob": test_logprob}
+
+
+def load_cache(path: Path, lm_logprob: Optional[np.ndarray] = None) -> dict:
+    """A kNN cache as arrays; ``lm_logprob`` swaps in another model's log p(target)."""
+    manifest = read_manifest(path, kind="knn_cache")
+    arrays = {name: open_array(path, name, manifest) for name in ("lm_logprob", "sims", "hits")}
+    if lm_logprob is not None:
+        arrays["lm_logprob"] = lm_logprob
+    return arrays
+
+
+def head_inputs(workdir: Path) -> dict:
+    """Fingerprints of the artifacts heads read (so a rebuilt datastore retrains them)."""
+    inputs = {f"features_{s}": read_manifest(features_dir(workdir, s))["fingerprint"]
+              for s in SPLITS}
+    for tag_dir in sorted((workdir / "neighbors").glob("*/train")):
+        inputs[f"neighbors_{tag_dir.parent.name}"] = read_manifest(tag_dir)["fingerprint"]
+    return inputs
+
+
+def run(cfg: PipelineConfig) -> dict:
+    """Run every stage; return the results dict also written to ``reports/<name>/``."""
+    from gnnlm.report import write_report
+
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model, store, base_manifest = stage_base_lm(cfg, workdir)
+    feature_manifests = stage_features(cfg, model, store, workdir)
+    leakage_window = cfg.neighbors.leakage_window or model.context_length
+    scores: dict[str, dict[str, np.ndarray]] = {
+        "base": {s: np.asarray(open_array(features_dir(workdir, s), "lm_logprob"))
+                 for s in EVAL_SPLITS}}
+    hparams: dict[str, dict] = {}
+    retrieval = {}
+    for key in cfg.knn.keys:
+        retrieval[key] = stage_retrieval(cfg, key, workdir, leakage_window)
+        caches = {s: load_cache(retrieval[key]["caches"][s]) for s in EVAL_SPLITS}
+        result = fit_interpolation(caches["valid"], caches["test"], cfg.knn)
+        name = "knn" if key == cfg.knn.keys[0] else f"knn[{key}]"
+        scores[name] = {"test": result.pop("test_logprob")}
+        hparams[name] = {**result, "similarity": cfg.knn.metric, "key": key,
+                         "scores": cfg.knn.scores}
+    primary = retrieval[cfg.knn.keys[0]]
+    heads = {}
+    if cfg.gnn.config:
+        build_pq(features_dir(workdir, "train"), workdir / "pq" / cfg.pq.key, cfg.pq,
+                 rebuild=cfg.rebuild)
+        heads["gnn"] = fit_with_cli("gnn", cfg.gnn.config, workdir, head_inputs(workdir))
+    if cfg.spalm.config:
+        heads["spalm"] = fit_with_cli("spalm", cfg.spalm.config, workdir, head_inputs(workdir))
+    if cfg.learned_wds.config:
+        heads["learned_wds"] = fit_with_cli("learned_wds", cfg.learned_wds.config, workdir,
+                                            head_inputs(workdir))
+    for name in heads:
+        head_dir = workdir / "heads" / name
+        scores[name] = {s: head_logprobs(head_dir, s) for s in EVAL_SPLITS}
+    if "gnn" in heads:  # GNN+kNN: the GNN's distribution interpolated with kNN-LM's (eq. 5)
+        caches = {s: load_cache(primary["caches"][s], scores["gnn"][s]) for s in EVAL_SPLITS}
+        result = fit_interpolation(caches["valid"], caches["test"], cfg.knn)
+        scores["gnn+knn"] = {"test": result.pop("test_logprob")}
+        hparams["gnn+knn"] = {**result, "similarity": cfg.knn.metric, "key": cfg.knn.keys[0]}
+    if "learned_wds" in heads:  # Xu et al. §4.1: interpolate the learned W_ds with the base LM
+        lams = [lam for lam in cfg.knn.lambdas if lam < 1] or [0.0]
+        from gnnlm.knn import interpolate
+
+        valid_ppl = [np.exp(-np.mean(interpolate(scores["base"]["valid"],
+                                                 scores["learned_wds"]["valid"], lam)))
+                     for lam in lams]
+        lam = lams[int(np.argmin(valid_ppl))]
+        scores["learned_wds+base"] = {"test": interpolate(scores["base"]["test"],
+                                                          scores["learned_wds"]["test"], lam)}
+        hparams["learned_wds+base"] = {"lambda": lam, "valid_ppl": float(min(valid_ppl))}
+    return write_report(cfg, workdir, model, store, scores, hparams, retrieval, heads,
+                        base_manifest, feature_manifests)
+
+
+def load_config(args: list[str]) -> PipelineConfig:
+    """Parse ``-c CONFIG [--section.field=value ...]`` into a PipelineConfig."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="gnnlm pipeline", description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", action=ActionConfigFile)
+    parser.add_class_arguments(PipelineConfig)
+    init = parser.instantiate_classes(parser.parse_args(args))
+    return PipelineConfig(**{name: init[name] for name in PipelineConfig.__dataclass_fields__})
+
+
+def main(args: list[str]) -> None:
+    from gnnlm.report import ROW_NAMES
+
+    cfg = load_config(args)
+    results = run(cfg)
+    print(f"\n{results['dataset']} test, {results['tokens']:,} tokens ({results['protocol']})")
+    for name, ppl in results["ppl"].items():
+        print(f"  {ROW_NAMES.get(name, name):<24} {ppl:10.2f}")
+    print(f"written to {Path(cfg.workdir) / 'reports' / results['name']}")

@@ -1,0 +1,146 @@
+"""Reports: ``reports/<name>/results.json``, ``results.md``, per-token scores and plots.
+
+Every perplexity is exp(−Σ log p / N) over the same N test tokens (the split's every position,
+scored once under the stated sliding-window protocol), computed here from per-token
+log-probabilities, never averaged from batches.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
+from gnnlm.datastore import features_dir
+from gnnlm.metrics import ppl_from_logprobs
+
+ROW_NAMES = {
+    "base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN", "spalm": "SPALM",
+    "learned_wds": "learned W_ds alone", "learned_wds+base": "base LM + learned W_ds",
+}
+
+
+def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
+                   n_buckets: int = 5) -> list[dict]:
+    """GNN-LM Table 4: tokens split by kNN recall R(c_t) = #neighbours whose value is the target
+    (eq. 6) into equal-count buckets; mean log p of the base LM and of ``model`` per bucket."""
+    order = np.argsort(hits_count, kind="stable")
+    rows = []
+    for part in np.array_split(order, n_buckets):
+        b, m = float(base[part].mean()), float(model[part].mean())
+        rows.append({"recall_range": [int(hits_count[part].min()), int(hits_count[part].max())],
+                     "tokens": int(len(part)), "base_logprob": b, "model_logprob": m,
+                     "absolute_improvement": m - b,
+                     "relative_improvement": (m - b) / abs(b) if b else 0.0})
+    return rows
+
+
+def _stage_seconds(workdir: Path, retrieval: dict, heads: dict, base_manifest: dict,
+                   feature_manifests: dict) -> dict:
+    """Build time of each stage as recorded in its artifacts (stable across reruns)."""
+    timing = {"base_lm": base_manifest.get("train_seconds", 0.0),
+              "features": sum(m.get("seconds", 0.0) for m in feature_manifests.values())}
+    for key, r in retrieval.items():
+        timing[f"index[{key}]"] = r["index"].get("train_seconds", 0) + r["index"].get(
+            "add_seconds", 0)
+        timing[f"neighbors[{key}]"] = sum(m.get("search_seconds", 0)
+                                          for m in r["neighbors"].values())
+        timing[f"knn_cache[{key}]"] = sum(read_manifest(p).get("seconds", 0)
+                                          for p in r["caches"].values())
+    pq_dirs = list((workdir / "pq").glob("*/manifest.json")) if (workdir / "pq").exists() else []
+    if pq_dirs and "gnn" in heads:
+        timing["pq"] = sum(json.loads(p.read_text()).get("seconds", 0) for p in pq_dirs)
+    for name, manifest in heads.items():
+        timing[name] = manifest.get("train_seconds", 0.0)
+    return {k: round(float(v), 2) for k, v in timing.items()}
+
+
+def _markdown(results: dict) -> str:
+    lines = [f"# {results['name']}: {results['dataset']}", "",
+             f"Test tokens: {results['tokens']:,} ({results['protocol']}).", "",
+             "| model | valid ppl | test ppl |", "|---|---:|---:|"]
+    for name, ppl in results["ppl"].items():
+        valid = results["valid_ppl"].get(name)
+        lines.append(f"| {ROW_NAMES.get(name, name)} | "
+                     f"{'' if valid is None else f'{valid:.2f}'} | {ppl:.2f} |")
+    lines += ["", "Interpolation hyper-parameters (fitted on valid):", ""]
+    for name, hp in results["hparams"].items():
+        shown = {k: v for k, v in hp.items() if k != "valid_ppl"}
+        lines.append(f"- {ROW_NAMES.get(name, name)}: " + ", ".join(f"{k}={v}" for k, v in
+                                                                      shown.items()))
+    if results.get("knn_recall_buckets"):
+        rows = results["knn_recall_buckets"]
+        lines += ["", f"kNN recall buckets (GNN-LM Table 4; mean log p, "
+                      f"{results['knn_recall_buckets_model']} vs base):", "",
+                  "| recall range | tokens | base | model | abs. | rel. |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| [{r['recall_range'][0]}, {r['recall_range'][1]}] | {r['tokens']} | "
+                         f"{r['base_logprob']:.2f} | {r['model_logprob']:.2f} | "
+                         f"{r['absolute_improvement']:.2f} | {r['relative_improvement']:.0%} |")
+    lines += ["", "Retrieval:", ""]
+    for key, info in results["retrieval"].items():
+        lines.append(f"- key {key}: index {info['factory']} (recall@10 {info['recall'].get('10')}"
+                     f"), train neighbours masked for leakage: {info['masked_fraction']:.3f}")
+    lines += ["", "Stage build times (s): " + ", ".join(f"{k} {v}" for k, v in
+                                                         results["timing_s"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot_gate_histogram(histogram: list[int], path: Path) -> None:
+    """SPALM Figure 5: the distribution of gate values g_t over the test tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    edges = np.linspace(0, 1, len(histogram) + 1)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(edges[:-1], histogram, width=edges[1] - edges[0], align="edge")
+    ax.set_xlabel("gate g_t (1 = local context, 0 = retrieved memory)")
+    ax.set_ylabel("tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, retrieval: dict,
+                 heads: dict, base_manifest: dict, feature_manifests: dict) -> dict:
+    out = workdir / "reports" / cfg.name
+    out.mkdir(parents=True, exist_ok=True)
+    test_n = feature_manifests["test"]["n"]
+    for name, per_split in scores.items():
+        if len(per_split["test"]) != test_n:
+            raise RuntimeError(f"{name} scored {len(per_split['test'])} test tokens, not {test_n}.")
+    ppl = {name: ppl_from_logprobs(s["test"]) for name, s in scores.items()}
+    valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
+    valid_ppl.update({name: hp["valid_ppl"] for name, hp in hparams.items() if "valid_ppl" in hp})
+    primary = retrieval[cfg.knn.keys[0]]
+    results = {
+        "name": cfg.name, "dataset": store.manifest["config"]["corpus"], "split": "test",
+        "tokens": int(test_n), "protocol": feature_manifests["test"]["protocol"],
+        "level": store.level, "ppl": ppl, "valid_ppl": valid_ppl, "hparams": hparams,
+        "base_lm": model.identity(),
+        "retrieval": {key: {"factory": r["index"]["factory"], "recall": r["index"]["recall"],
+                            "K": r["neighbors"]["test"]["K"],
+                            "masked_fraction": r["neighbors"]["train"]["masked_fraction"],
+                            "leakage_window": r["neighbors"]["train"]["leakage_window"]}
+                      for key, r in retrieval.items()},
+        "timing_s": _stage_seconds(workdir, retrieval, heads, base_manifest, feature_manifests),
+    }
+    if store.level == "char":
+        results["bpc"] = {name: float(np.log2(p)) for name, p in ppl.items()}
+    best = "gnn+knn" if "gnn+knn" in scores else "knn"
+    hits = open_array(primary["caches"]["test"], "hits")
+    results["knn_recall_buckets"] = recall_buckets(np.asarray(hits).sum(1), scores["base"]["test"],
+                                                   scores[best]["test"])
+    results["knn_recall_buckets_model"] = best
+    if "spalm" in heads and "gate" in heads["spalm"]:
+        results["spalm_gate"] = heads["spalm"]["gate"]
+        plot_gate_histogram(heads["spalm"]["gate"]["histogram"], out / "spalm_gate_hist.png")
+    np.savez_compressed(out / "test_logprobs.npz", **{k: v["test"] for k, v in scores.items()})
+    write_json_atomic(out / "results.json", results)
+    (out / "results.md").write_text(_markdown(results))
+    return results
