@@ -26,19 +26,22 @@ class FeatureBlocks(Dataset):
         self.neighbors, self.k, self.block_size = neighbors, k, block_size
         manifest = read_manifest(features_dir(workdir, split), kind="features")
         check_key(manifest, key)
-        self.n = manifest["n"] if max_tokens is None else min(manifest["n"], max_tokens)
+        n = manifest["n"]
+        if neighbors:
+            self.nbr_dir = workdir / "neighbors" / neighbors / split
+            nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
+            if nbr_manifest["K"] < k:
+                raise ValueError(f"k={k} neighbours asked for but {self.nbr_dir} holds only "
+                                 f"K={nbr_manifest['K']}.")
+            n = nbr_manifest["n"]  # train neighbours may cover only a prefix
+        self.n = n if max_tokens is None else min(n, max_tokens)
         self._arrays = None  # memmaps open lazily in each worker
 
     def _open(self):
         _, feats = open_features(features_dir(self.workdir, self.split))
         ids = values = None
         if self.neighbors:
-            nbr_dir = self.workdir / "neighbors" / self.neighbors / self.split
-            manifest = read_manifest(nbr_dir, kind="neighbors")
-            if manifest["K"] < self.k:
-                raise ValueError(f"k={self.k} neighbours asked for but {nbr_dir} holds only "
-                                 f"K={manifest['K']}.")
-            ids = open_array(nbr_dir, "ids", manifest)
+            ids = open_array(self.nbr_dir, "ids")
             values = open_features(features_dir(self.workdir, "train"))[1]["targets"]
         self._arrays = (feats[self.key], feats["targets"], ids, values)
 

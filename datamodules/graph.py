@@ -43,21 +43,21 @@ class GraphBlocks(Dataset):
         self.node_features, self.block_size, self.graph = node_features, block_size, graph
         self.exclude_radius = exclude_radius
         self.n_train = read_manifest(features_dir(workdir, "train"))["n"]
-        n = read_manifest(features_dir(workdir, split))["n"]
-        self.n = n if max_tokens is None else min(n, max_tokens)
+        self.nbr_dir = workdir / "neighbors" / neighbors / split
+        nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
+        if nbr_manifest["K"] < graph.k:
+            raise ValueError(f"The graph keeps k={graph.k} neighbours per token but "
+                             f"{self.nbr_dir} holds only K={nbr_manifest['K']}: lower graph.k or "
+                             f"rebuild the neighbours with a larger K.")
+        # train neighbours may cover only a prefix (neighbors.train_queries)
+        self.n = min(nbr_manifest["n"], max_tokens or nbr_manifest["n"])
         if self.n == 0:
             raise ValueError(f"Split {split!r} has no positions to build graphs from.")
         self._arrays = None  # memmaps are opened lazily in each worker
 
     def _open(self):
         _, feats = open_features(features_dir(self.workdir, self.split))
-        nbr_dir = self.workdir / "neighbors" / self.neighbors_name / self.split
-        manifest = read_manifest(nbr_dir, kind="neighbors")
-        if manifest["K"] < self.graph.k:
-            raise ValueError(f"The graph keeps k={self.graph.k} neighbours per token but "
-                             f"{nbr_dir} holds only K={manifest['K']}: lower graph.k or rebuild "
-                             f"the neighbours with a larger K.")
-        self._arrays = (feats[self.key], feats["targets"], open_array(nbr_dir, "ids", manifest))
+        self._arrays = (feats[self.key], feats["targets"], open_array(self.nbr_dir, "ids"))
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)

@@ -98,8 +98,11 @@ class LMDataModule(pl.LightningDataModule):
                  workdir: str = "runs/wikitext2", block_size: int = 256,
                  eval_context: int = 256, eval_stride: int = 128, batch_size: int = 32,
                  eval_batch_size: int = 32, train_tokens: Optional[int] = None,
-                 eval_tokens: Optional[int] = None, num_workers: int = 0):
-        """``train_tokens``/``eval_tokens`` keep only a prefix of each split (for quick runs)."""
+                 eval_tokens: Optional[int] = None, num_workers: int = 0,
+                 segments: Optional[bool] = None):
+        """``train_tokens``/``eval_tokens`` keep only a prefix of each split (for quick runs).
+        ``segments``: serve contiguous stream segments (None: when the model has memory; True
+        also for a memory model evaluated with its memory switched off)."""
         super().__init__()
         self.save_hyperparameters()
         self.store: TokenStore = build_tokens(Path(workdir) / "tokens", corpus, corpus_path,
@@ -116,6 +119,8 @@ class LMDataModule(pl.LightningDataModule):
         return stream_tensor(np.asarray(tokens[:limit]), self.store.bos_id)
 
     def _memory_model(self) -> bool:
+        if self.hparams.segments is not None:
+            return self.hparams.segments
         model = self.trainer.lightning_module if self.trainer else None
         return getattr(model, "memory_length", 0) > 0
 

@@ -1,7 +1,10 @@
 """The ``gnnlm`` command: LightningCLI for fit/validate/test, plus the pipeline commands.
 
-    gnnlm fit -c configs/wikitext2/base_lm_cpu.yaml
-    gnnlm test -c configs/wikitext2/base_lm_cpu.yaml --ckpt_path best
+    gnnlm fit -c configs/wikitext2/base_lm_cpu.yaml          # train a model (LightningCLI)
+    gnnlm test -c configs/wikitext2/base_lm_cpu.yaml --ckpt_path PATH
+    gnnlm pipeline -c configs/wikitext2/pipeline_cpu.yaml    # every stage, cached, then the table
+    gnnlm sweep -c configs/wikitext2/pipeline_cpu.yaml       # λ × T × k from cached scores
+    gnnlm explain -c configs/wikitext2/pipeline_cpu.yaml --text "..."   # retrieved contexts
 """
 from __future__ import annotations
 
@@ -36,13 +39,18 @@ def lightning_main(args: list[str] | None = None) -> GnnlmCLI:
                     save_config_kwargs={"overwrite": True})
 
 
-def pipeline_main(args: list[str]) -> None:
-    from gnnlm.pipeline import main
+def _command(module: str):
+    """A command whose module is imported only when it runs (keeps ``gnnlm --help`` fast)."""
+    def run(args: list[str]) -> None:
+        import importlib
 
-    main(args)
+        importlib.import_module(module).main(args)
+    return run
 
 
-COMMANDS = {"pipeline": pipeline_main}  # commands besides LightningCLI's fit/validate/test
+# commands besides LightningCLI's fit/validate/test/predict
+COMMANDS = {"pipeline": _command("gnnlm.pipeline"), "sweep": _command("gnnlm.sweep"),
+            "explain": _command("gnnlm.explain")}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,9 +42,12 @@ class NeighborsConfig:
     ``build_neighbors``, which the pipeline sets to the base LM's context length (a train
     position's feature has seen at most that many tokens before it, and its value is the next
     token, so nearer positions share its future). 0 disables masking (an ablation only).
+    ``train_queries`` retrieves for the first N train positions only (the prefix that heads
+    train on; the datastore itself stays whole); valid and test always get every position.
     """
     K: int = 1024
     leakage_window: int | None = None
+    train_queries: int | None = None
     batch_size: int = 4096
     backend: Literal["index", "exact"] = "index"
     chunk: int = 65536
@@ -53,6 +56,9 @@ class NeighborsConfig:
         for name in ("K", "batch_size", "chunk"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"neighbors.{name} must be >= 1 (got {getattr(self, name)}).")
+        if self.train_queries is not None and self.train_queries < 1:
+            raise ValueError(f"neighbors.train_queries must be >= 1 or None for all "
+                             f"(got {self.train_queries}).")
         if self.leakage_window is not None and self.leakage_window < 0:
             raise ValueError(f"neighbors.leakage_window must be >= 0 or None for the base LM's "
                              f"context length (got {self.leakage_window}).")
@@ -137,6 +143,8 @@ def build_neighbors(split: str, query_features_dir: str | Path, train_features_d
         window = None
     queries = query_arrays[key]                                        # [N, d] float16
     n = int(queries.shape[0])
+    if split == "train" and config.train_queries is not None:
+        n = min(n, config.train_queries)  # heads train on this prefix; the datastore stays whole
     ntotal = int(index_manifest["n"])
     if config.K > ntotal:
         raise ValueError(f"neighbors.K must not exceed the datastore size {ntotal} "

@@ -21,10 +21,12 @@ import numpy as np
 import torch
 import yaml
 
-from gnnlm.artifacts import ArtifactBuilder, file_sha256, fingerprint, open_array, read_manifest
+from gnnlm.ablations import AblationStage, memory_rows, run_ablations
+from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.datastore import build_all_features, features_dir
 from gnnlm.index import IndexConfig, build_index, index_dir
-from gnnlm.knn import build_knn_cache, check_lambda, check_temperature, fit, knn_lm_logprob
+from gnnlm.knn import (build_knn_cache, check_lambda, check_temperature, fit, interpolate,
+                       knn_lm_logprob)
 from gnnlm.models import BaseLM, load_base_lm
 from gnnlm.neighbors import NeighborsConfig, build_neighbors, neighbors_dir
 from gnnlm.pq import PQConfig, build_pq
@@ -95,6 +97,22 @@ class HeadStage:
 
 
 @dataclass
+class LearnedWdsStage:
+    """Learned W_ds heads (Xu et al. §4.1–4.2), one row each: ``configs`` are ``gnnlm fit``
+    YAMLs of ``LearnedDatastoreLM`` (e.g. n = 1 and n = 3 embeddings per word). The first is
+    the ``learned_wds`` row, the others ``learned_wds[n=…]``."""
+    configs: list[str] = field(default_factory=list)
+
+    def named(self) -> dict[str, str]:
+        rows = {}
+        for i, path in enumerate(self.configs):
+            n = (yaml.safe_load(Path(path).read_text())["model"].get("init_args") or {}).get(
+                "embeddings_per_word", 1)
+            rows["learned_wds" if i == 0 else f"learned_wds[n={n}]"] = path
+        return rows
+
+
+@dataclass
 class PipelineConfig:
     name: str = "wikitext2"
     workdir: str = "runs/wikitext2"
@@ -107,7 +125,8 @@ class PipelineConfig:
     pq: PQConfig = field(default_factory=PQConfig)
     gnn: HeadStage = field(default_factory=HeadStage)
     spalm: HeadStage = field(default_factory=HeadStage)
-    learned_wds: HeadStage = field(default_factory=HeadStage)
+    learned_wds: LearnedWdsStage = field(default_factory=LearnedWdsStage)
+    ablations: AblationStage = field(default_factory=AblationStage)
     rebuild: bool = False
 
 
@@ -236,13 +255,15 @@ def retrieval_tag(key: str, metric: str) -> str:
 
 
 def stage_retrieval(cfg: PipelineConfig, key: str, workdir: Path, leakage_window: int) -> dict:
-    """Index, neighbours of every split, and kNN caches of valid/test for one key type."""
+    """Index, neighbours, and kNN caches of valid/test for one key type. Train queries (masked
+    for leakage) are searched for the first key only: the one the heads' graphs and memories
+    read (``<key>-<metric>``); the other keys serve the kNN-LM comparison."""
     tag = retrieval_tag(key, cfg.knn.metric)
     index_cfg = IndexConfig(**{**asdict(cfg.index), "key": key, "metric": cfg.knn.metric})
     build_index(features_dir(workdir, "train"), index_dir(workdir, tag), index_cfg,
                 rebuild=cfg.rebuild)
     neighbors, caches = {}, {}
-    for split in SPLITS:
+    for split in SPLITS if key == cfg.knn.keys[0] else EVAL_SPLITS:
         neighbors[split] = build_neighbors(
             split, features_dir(workdir, split), features_dir(workdir, "train"),
             index_dir(workdir, tag), neighbors_dir(workdir, split, tag), cfg.neighbors,
@@ -323,41 +344,87 @@ def run(cfg: PipelineConfig) -> dict:
         heads["gnn"] = fit_with_cli("gnn", cfg.gnn.config, workdir, head_inputs(workdir))
     if cfg.spalm.config:
         heads["spalm"] = fit_with_cli("spalm", cfg.spalm.config, workdir, head_inputs(workdir))
-    if cfg.learned_wds.config:
-        heads["learned_wds"] = fit_with_cli("learned_wds", cfg.learned_wds.config, workdir,
-                                            head_inputs(workdir))
+    for name, config in cfg.learned_wds.named().items():
+        heads[name] = fit_with_cli(name.replace("[n=", "_n").rstrip("]"), config, workdir,
+                                   head_inputs(workdir))
     for name in heads:
-        head_dir = workdir / "heads" / name
+        head_dir = workdir / "heads" / heads[name]["config"]["name"]
         scores[name] = {s: head_logprobs(head_dir, s) for s in EVAL_SPLITS}
     if "gnn" in heads:  # GNN+kNN: the GNN's distribution interpolated with kNN-LM's (eq. 5)
         caches = {s: load_cache(primary["caches"][s], scores["gnn"][s]) for s in EVAL_SPLITS}
         result = fit_interpolation(caches["valid"], caches["test"], cfg.knn)
         scores["gnn+knn"] = {"test": result.pop("test_logprob")}
         hparams["gnn+knn"] = {**result, "similarity": cfg.knn.metric, "key": cfg.knn.keys[0]}
-    if "learned_wds" in heads:  # Xu et al. §4.1: interpolate the learned W_ds with the base LM
-        lams = [lam for lam in cfg.knn.lambdas if lam < 1] or [0.0]
-        from gnnlm.knn import interpolate
-
-        valid_ppl = [np.exp(-np.mean(interpolate(scores["base"]["valid"],
-                                                 scores["learned_wds"]["valid"], lam)))
-                     for lam in lams]
-        lam = lams[int(np.argmin(valid_ppl))]
-        scores["learned_wds+base"] = {"test": interpolate(scores["base"]["test"],
-                                                          scores["learned_wds"]["test"], lam)}
-        hparams["learned_wds+base"] = {"lambda": lam, "valid_ppl": float(min(valid_ppl))}
+    for name in cfg.learned_wds.named():  # Xu et al. §4.1: interpolated with the base LM
+        lam, valid_ppl = fit_lambda(scores["base"]["valid"], scores[name]["valid"],
+                                    cfg.knn.grid()[2])
+        scores[f"{name}+base"] = {"test": interpolate(scores["base"]["test"],
+                                                      scores[name]["test"], lam)}
+        hparams[f"{name}+base"] = {"lambda": lam, "valid_ppl": valid_ppl}
+    ablations = stage_ablations(cfg, workdir, retrieval)
     return write_report(cfg, workdir, model, store, scores, hparams, retrieval, heads,
-                        base_manifest, feature_manifests)
+                        base_manifest, feature_manifests, ablations)
+
+
+def fit_lambda(lm_valid: np.ndarray, other_valid: np.ndarray, lambdas: list[float]
+               ) -> tuple[float, float]:
+    """The λ of (1 − λ)·p_LM + λ·p_other minimising valid perplexity, and that perplexity."""
+    lams = [lam for lam in lambdas if lam < 1] or [0.0]
+    ppl = [float(np.exp(-np.mean(interpolate(lm_valid, other_valid, lam)))) for lam in lams]
+    best = int(np.argmin(ppl))
+    return float(lams[best]), ppl[best]
+
+
+def stage_ablations(cfg: PipelineConfig, workdir: Path, retrieval: dict) -> Optional[dict]:
+    """The Xu et al. table and, with ``ablations.memory_lm``, Transformer-XL memory on/off."""
+    stage = cfg.ablations
+    if not stage.enabled and not stage.memory_lm:
+        return None
+    out = workdir / "ablations"
+    inputs = {key: read_manifest(r["caches"]["test"])["fingerprint"]
+              for key, r in retrieval.items()}
+    if stage.memory_lm:
+        memory = fit_with_cli("base_lm_xl", stage.memory_lm, workdir, {})
+        inputs["memory_lm"] = memory["fingerprint"]
+    builder = ArtifactBuilder(out, kind="ablations",
+                              config={**asdict(stage), "grid": cfg.knn.grid(),
+                                      "metric": cfg.knn.metric, "keys": cfg.knn.keys},
+                              inputs=inputs, rebuild=cfg.rebuild)
+    if builder.is_complete():
+        return read_manifest(out)["result"]
+    with builder:
+        result = {}
+        if stage.enabled:
+            tag = retrieval_tag(cfg.knn.keys[0], cfg.knn.metric)
+            result = run_ablations(
+                stage, workdir, cfg.knn.keys, cfg.knn.metric, cfg.knn.grid(),
+                {key: r["caches"] for key, r in retrieval.items()},
+                {s: neighbors_dir(workdir, s, tag) for s in EVAL_SPLITS}, builder.partial)
+        if stage.memory_lm:
+            result["memory"] = memory_rows(workdir / "heads" / "base_lm_xl", workdir)
+        builder.finish(extra={"result": result})
+    return result
+
+
+def config_parser(prog: str = "gnnlm pipeline"):
+    """The jsonargparse parser of a pipeline YAML (``-c``) and ``--section.field=value`` flags."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", action=ActionConfigFile)
+    parser.add_class_arguments(PipelineConfig)
+    return parser
+
+
+def to_config(parser, namespace) -> PipelineConfig:
+    init = parser.instantiate_classes(namespace)
+    return PipelineConfig(**{name: init[name] for name in PipelineConfig.__dataclass_fields__})
 
 
 def load_config(args: list[str]) -> PipelineConfig:
     """Parse ``-c CONFIG [--section.field=value ...]`` into a PipelineConfig."""
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(prog="gnnlm pipeline", description=__doc__.splitlines()[0])
-    parser.add_argument("-c", "--config", action=ActionConfigFile)
-    parser.add_class_arguments(PipelineConfig)
-    init = parser.instantiate_classes(parser.parse_args(args))
-    return PipelineConfig(**{name: init[name] for name in PipelineConfig.__dataclass_fields__})
+    parser = config_parser()
+    return to_config(parser, parser.parse_args(args))
 
 
 def main(args: list[str]) -> None:

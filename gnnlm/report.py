@@ -13,7 +13,6 @@ from typing import Optional
 import numpy as np
 
 from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
-from gnnlm.datastore import features_dir
 from gnnlm.metrics import ppl_from_logprobs
 
 ROW_NAMES = {
@@ -80,13 +79,40 @@ def _markdown(results: dict) -> str:
             lines.append(f"| [{r['recall_range'][0]}, {r['recall_range'][1]}] | {r['tokens']} | "
                          f"{r['base_logprob']:.2f} | {r['model_logprob']:.2f} | "
                          f"{r['absolute_improvement']:.2f} | {r['relative_improvement']:.0%} |")
+    lines += _ablation_markdown(results.get("ablations"))
     lines += ["", "Retrieval:", ""]
     for key, info in results["retrieval"].items():
-        lines.append(f"- key {key}: index {info['factory']} (recall@10 {info['recall'].get('10')}"
-                     f"), train neighbours masked for leakage: {info['masked_fraction']:.3f}")
+        masked = (f", train neighbours masked for leakage: {info['masked_fraction']:.3f}"
+                  if "masked_fraction" in info else "")
+        lines.append(f"- key {key}: index {info['factory']} (recall@10 "
+                     f"{info['recall'].get('10')}){masked}")
     lines += ["", "Stage build times (s): " + ", ".join(f"{k} {v}" for k, v in
                                                          results["timing_s"].items()), ""]
     return "\n".join(lines)
+
+
+def _ablation_markdown(ablations: Optional[dict]) -> list[str]:
+    if not ablations:
+        return []
+    lines = []
+    if "rows" in ablations:
+        n = ablations["tokens"]
+        lines += ["", f"Ablations (Xu et al.; first {n['test']:,} test / {n['valid']:,} valid "
+                      f"tokens, k/T/λ fitted on valid):", "",
+                  "| variant | k | T | λ | valid ppl | test ppl |", "|---|---:|---:|---:|---:|---:|"]
+        for r in ablations["rows"]:
+            lines.append(f"| {r['row']} | {r.get('k', '')} | {r.get('temperature', '')} | "
+                         f"{r.get('lambda', '')} | {r['valid_ppl']:.2f} | {r['test_ppl']:.2f} |")
+        lines += ["", "Temperature (k, λ fitted on valid per T): " + ", ".join(
+            f"T={r['temperature']:g}: {r['test_ppl']:.2f}" for r in ablations["temperature_curve"])]
+        lines += ["", "Datastore subsampling (exact search): " + ", ".join(
+            f"{r['fraction']:.0%}: {r['test_ppl']:.2f}" for r in ablations["subsample_curve"])]
+    if "memory" in ablations:
+        lines += ["", "Short-term memory (Transformer-XL, contiguous segments):", "",
+                  "| model | segment | test tokens | test ppl |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['row']} | {r['segment']} | {r['tokens']:,} | {r['test_ppl']:.2f} |"
+                  for r in ablations["memory"]]
+    return lines
 
 
 def plot_gate_histogram(histogram: list[int], path: Path) -> None:
@@ -107,7 +133,8 @@ def plot_gate_histogram(histogram: list[int], path: Path) -> None:
 
 
 def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, retrieval: dict,
-                 heads: dict, base_manifest: dict, feature_manifests: dict) -> dict:
+                 heads: dict, base_manifest: dict, feature_manifests: dict,
+                 ablations: Optional[dict] = None) -> dict:
     out = workdir / "reports" / cfg.name
     out.mkdir(parents=True, exist_ok=True)
     test_n = feature_manifests["test"]["n"]
@@ -125,8 +152,9 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
         "base_lm": model.identity(),
         "retrieval": {key: {"factory": r["index"]["factory"], "recall": r["index"]["recall"],
                             "K": r["neighbors"]["test"]["K"],
-                            "masked_fraction": r["neighbors"]["train"]["masked_fraction"],
-                            "leakage_window": r["neighbors"]["train"]["leakage_window"]}
+                            **({"masked_fraction": r["neighbors"]["train"]["masked_fraction"],
+                                "leakage_window": r["neighbors"]["train"]["leakage_window"]}
+                               if "train" in r["neighbors"] else {})}
                       for key, r in retrieval.items()},
         "timing_s": _stage_seconds(workdir, retrieval, heads, base_manifest, feature_manifests),
     }
@@ -140,6 +168,10 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
     if "spalm" in heads and "gate" in heads["spalm"]:
         results["spalm_gate"] = heads["spalm"]["gate"]
         plot_gate_histogram(heads["spalm"]["gate"]["histogram"], out / "spalm_gate_hist.png")
+    if ablations:
+        results["ablations"] = ablations
+        for png in (workdir / "ablations").glob("*.png"):
+            (out / png.name).write_bytes(png.read_bytes())
     np.savez_compressed(out / "test_logprobs.npz", **{k: v["test"] for k, v in scores.items()})
     write_json_atomic(out / "results.json", results)
     (out / "results.md").write_text(_markdown(results))

@@ -162,3 +162,25 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
                            if use_wandb else None)
     write_json_atomic(out_dir / "sweep.json", result)
     return result
+
+
+def main(args: list[str]) -> dict:
+    """``gnnlm sweep -c PIPELINE.yaml [--knn.k=... --knn.temperature=... --knn.lambda_=...]``.
+
+    Sweeps the pipeline's kNN caches of its first key (built by ``gnnlm pipeline``) over the
+    config's grid, or the single point a W&B sweep agent passes, into ``reports/<name>/sweep``.
+    """
+    from gnnlm.pipeline import cache_dir, load_config, retrieval_tag
+
+    cfg = load_config(args)
+    ks, temperatures, lambdas = cfg.knn.grid()
+    workdir = Path(cfg.workdir)
+    tag = retrieval_tag(cfg.knn.keys[0], cfg.knn.metric)
+    caches = [cache_dir(workdir, tag, cfg.knn.scores, split) for split in ("valid", "test")]
+    result = run_sweep(*caches, workdir / "reports" / cfg.name / "sweep", ks, temperatures,
+                       lambdas, wandb_name=f"{cfg.name}-sweep")
+    print(f"best on valid: k={result['k']} T={result['temperature']} λ={result['lambda']}  "
+          f"valid ppl {result['valid_ppl']:.2f} (base {result['base_valid_ppl']:.2f}), "
+          f"test ppl {result['test_ppl']:.2f} (base {result['base_test_ppl']:.2f}); "
+          f"{result['points']} points at {result['points_per_s']:.0f} points/s")
+    return result

@@ -1,7 +1,10 @@
 """Shared fixtures: where WikiText-2 lives, W&B offline, and small real-data work directories."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,34 @@ def wikitext_tokens(wikitext_root, tmp_path_factory):
 
     return build_tokens(tmp_path_factory.mktemp("wt2") / "tokens", "wikitext-2",
                         data_dir=str(wikitext_root))
+
+
+def run_gnnlm(args: list[str], cwd: Path, timeout: int = 1800) -> subprocess.CompletedProcess:
+    """Run the ``gnnlm`` command in ``cwd`` (where ``configs/`` points at the repo's)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, "-m", "gnnlm.cli", *args], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"gnnlm {' '.join(args)} failed:\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def run_dir(wikitext_root, tmp_path_factory) -> Path:
+    """``gnnlm pipeline -c configs/tests/pipeline.yaml`` once per session, in a fresh folder."""
+    cwd = tmp_path_factory.mktemp("pipeline")
+    (cwd / "configs").symlink_to(REPO / "configs")
+    os.environ["GNNLM_DATA"] = str(wikitext_root)
+    run_gnnlm(["pipeline", "-c", "configs/tests/pipeline.yaml"], cwd)
+    return cwd
+
+
+@pytest.fixture(scope="session")
+def workdir(run_dir) -> Path:
+    return run_dir / "runs" / "tests" / "pipeline"
+
+
+@pytest.fixture(scope="session")
+def results(workdir) -> dict:
+    return json.loads((workdir / "reports" / "tests" / "results.json").read_text())

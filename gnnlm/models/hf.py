@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import torch
 from torch import Tensor, nn
 
 from gnnlm.models.base import BaseLM, Features
