@@ -24,7 +24,7 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 demo: setup
-	$(BIN)/gnnlm pipeline -c configs/wikitext2/gnnlm_cpu.yaml
+	$(BIN)/gnnlm pipeline -c configs/wikitext2/pipeline_cpu.yaml
 
 clean:
 	rm -rf $(VENV) runs lightning_logs

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gnnlm.artifacts import read_manifest
 from gnnlm.datastore import build_features, features_dir
 from gnnlm.encode import sliding_windows, stream_tensor
 from gnnlm.index import Searcher, index_dir
 from gnnlm.knn import knn_lm_logprob
-from gnnlm.artifacts import read_manifest
 from gnnlm.models import load_base_lm
 from gnnlm.pipeline import cache_dir, load_cache
 from gnnlm.tokens import TokenStore
@@ -101,15 +101,12 @@ def main() -> None:
     if not (gnn_dir / "manifest.json").is_file():
         print("3./4. no trained GNN head in the work directory: skipped")
         return
-    from pytorch_lightning.cli import LightningArgumentParser  # noqa: F401 (ensures PL loaded)
-
     from datamodules.graph import GraphDataModule
     from gnnlm.gnn_module import GNNLM
+    from gnnlm.training import datamodule_args
 
     gnn = GNNLM.load_from_checkpoint(gnn_dir / "model.ckpt", map_location="cpu")
-    dm_args = torch.load(gnn_dir / "model.ckpt", map_location="cpu",
-                         weights_only=False)["datamodule_hyper_parameters"]
-    dm = GraphDataModule(**{**dict(dm_args), "workdir": str(workdir), "eval_tokens": n,
+    dm = GraphDataModule(**{**datamodule_args(str(gnn_dir / "model.ckpt")), "workdir": str(workdir), "eval_tokens": n,
                             "num_workers": 0})
     gnn.attach_output_embedding(*dm.output_embedding())
     gnn.eval()

@@ -16,7 +16,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.datastore import check_key, features_dir, load_output_embedding, open_features
+from gnnlm.datastore import (
+    check_key,
+    features_dir,
+    load_output_embedding,
+    open_features,
+)
 
 
 class FeatureBlocks(Dataset):

@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from gnnlm.artifacts import open_array
 from gnnlm.datastore import features_dir, open_features
 from gnnlm.index import exact_search
 from gnnlm.knn import fit, knn_lm_logprob, similarity
@@ -36,6 +37,9 @@ class AblationStage:
     eval_tokens: Optional[int] = 5000
     metrics: list[str] = field(default_factory=lambda: ["cos", "ip", "l2"])
     subsample: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5, 1.0])
+    # ip and l2 scores are not bounded like cos: their T grid must reach larger values
+    unbounded_temperatures: list[float] = field(
+        default_factory=lambda: [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0])
     seed: int = 0
     device: str = "auto"
     memory_lm: Optional[str] = None
@@ -95,17 +99,20 @@ class Evaluator:
             caches[split] = self.cache(split, sims, ids)
         return caches
 
-    def rescored(self, neighbor_dirs: dict, metric: str) -> dict:
+    def rescored(self, neighbor_dirs: dict, metric: str, chunk: int = 2048) -> dict:
         """The index's neighbours with their similarities recomputed exactly in float32."""
         caches = {}
         for split, path in neighbor_dirs.items():
             n = len(self.splits[split]["targets"])
-            ids = np.asarray(np.memmap(path / "ids.bin", dtype=np.int32, mode="r")
-                             .reshape(-1, self.K)[:n]).astype(np.int64)
-            keys = np.asarray(self.train[self.key][np.maximum(ids, 0).ravel()],
-                              dtype=np.float32).reshape(*ids.shape, -1)            # [n, K, d]
-            sims = similarity(self.queries(split)[:, None, :], keys, metric)        # [n, K]
-            sims = np.where(ids >= 0, sims, -np.inf).astype(np.float32)
+            ids = np.asarray(open_array(path, "ids")[:n]).astype(np.int64)          # [n, K]
+            sims = np.empty(ids.shape, dtype=np.float32)
+            queries = self.queries(split)
+            for r in range(0, n, chunk):  # [chunk, K, d] keys at a time
+                rows = ids[r: r + chunk]
+                keys = np.asarray(self.train[self.key][np.maximum(rows, 0).ravel()],
+                                  dtype=np.float32).reshape(*rows.shape, -1)
+                sims[r: r + chunk] = similarity(queries[r: r + chunk, None, :], keys, metric)
+            sims[ids < 0] = -np.inf
             caches[split] = self.cache(split, sims, ids)
         return caches
 
@@ -139,8 +146,9 @@ def run_ablations(stage: AblationStage, workdir: Path, keys: list[str], metric: 
     rows.append({"row": f"kNN-LM, key {primary}, {metric}, FAISS neighbours + exact scores",
                  **ev.score(ev.rescored(neighbor_dirs, metric))})
     for m in stage.metrics:  # the similarity function, on exact neighbours
+        m_grid = grid if m == "cos" else (grid[0], stage.unbounded_temperatures, grid[2])
         rows.append({"row": f"kNN-LM, key {primary}, {m}, exact neighbours + exact scores",
-                     **ev.score(ev.exact(m))})
+                     **ev.score(ev.exact(m), m_grid)})
 
     ks, ts, ls = grid
     faiss_caches = sliced(primary)
@@ -188,16 +196,15 @@ def memory_rows(head_dir: Path, workdir: Path) -> list[dict]:
     """Transformer-XL short-term memory on and off: the same memory LM on its test split, both
     served as contiguous segments of parallel streams; the memory is carried, or dropped."""
     import pytorch_lightning as pl
-    import torch
 
     from datamodules.lm import LMDataModule
     from gnnlm.lm_module import LanguageModel
+    from gnnlm.training import datamodule_args
 
     ckpt = head_dir / "model.ckpt"
     model = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu")
-    data_hp = torch.load(ckpt, map_location="cpu", weights_only=False)[
-        "datamodule_hyper_parameters"]
-    data = LMDataModule(**{**dict(data_hp), "workdir": str(workdir), "segments": True})
+    data = LMDataModule(**{**datamodule_args(str(ckpt)), "workdir": str(workdir),
+                           "segments": True})
     memory = model.memory_length
     rows = []
     for length in (memory, 0):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gnnlm.metrics import target_nll
 from gnnlm.models.base import BaseLM
 
 
@@ -91,7 +92,5 @@ def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int,
         if with_logprob:
             positions = torch.cat([torch.arange(s + o, s + e) for s, o, e
                                    in zip(starts[w], offsets, ends)])
-            logits = model.logits(final).float()
-            logprob = torch.log_softmax(logits, -1).gather(
-                1, targets[positions].to(device)[:, None]).squeeze(1)
+            logprob = -target_nll(model.logits(final), targets[positions].to(device))
         yield EncodedBatch(int(score_from[w[0]]), final, att, logprob)

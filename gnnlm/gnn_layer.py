@@ -11,7 +11,7 @@ receive no edge (or have no nodes) keep their representation, so a stack never l
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -84,30 +84,39 @@ class GNNLMConv(MessagePassing):
     """
 
     def __init__(self, channels: int, metadata: Metadata, heads: int = 4, dropout: float = 0.0,
-                 layer_norm: bool = False, zero_init_output: bool = True):
+                 layer_norm: bool = False, zero_init_output: bool = True,
+                 out_types: Optional[Sequence[NodeType]] = None):
         super().__init__(aggr="add", node_dim=0)
         _check_sizes(channels, heads, dropout)
         node_types, edge_types = metadata
         self.channels, self.heads, self.head_dim = channels, heads, channels // heads
         self.dropout, self.zero_init_output = dropout, zero_init_output
         self.metadata = (tuple(node_types), tuple(tuple(e) for e in edge_types))
-        relations = sorted({rel for _, rel, _ in self.metadata[1]})
+        # out_types: the node types this layer updates (a last layer read out at ``ctx`` has no
+        # parameters, and does no work, for targets nobody reads); the others pass through.
+        self.out_types = tuple(node_types if out_types is None else out_types)
+        if not set(self.out_types) <= set(node_types):
+            raise ValueError(f"out_types must be node types of the metadata {list(node_types)} "
+                             f"(got {list(self.out_types)}).")
+        self.edge_types = tuple(e for e in self.metadata[1] if e[2] in self.out_types)
+        sources = sorted({e[0] for e in self.edge_types})
+        relations = sorted({rel for _, rel, _ in self.edge_types})
 
-        def per_node_type(bias: bool = True) -> nn.ModuleDict:
-            return nn.ModuleDict({t: nn.Linear(channels, channels, bias=bias) for t in node_types})
+        def per_node_type(types, bias: bool = True) -> nn.ModuleDict:
+            return nn.ModuleDict({t: nn.Linear(channels, channels, bias=bias) for t in types})
 
-        self.q_lin = per_node_type()
+        self.q_lin = per_node_type(self.out_types)
         # a key bias adds the same score to every edge into a target: the softmax cancels it
-        self.k_lin = per_node_type(bias=False)
-        self.v_lin = per_node_type()
-        self.o_lin = per_node_type()
+        self.k_lin = per_node_type(sources, bias=False)
+        self.v_lin = per_node_type(sources)
+        self.o_lin = per_node_type(self.out_types)
         self.norm = nn.ModuleDict({t: nn.LayerNorm(channels) for t in node_types}) \
             if layer_norm else None
         shape = (heads, self.head_dim, self.head_dim)
         self.w_att = nn.ParameterDict({rel: nn.Parameter(torch.empty(shape)) for rel in relations})
         self.w_fea = nn.ParameterDict({rel: nn.Parameter(torch.empty(shape)) for rel in relations})
         self.mu = nn.ParameterDict({"__".join(e): nn.Parameter(torch.empty(heads))
-                                    for e in self.metadata[1]})
+                                    for e in self.edge_types})
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -134,13 +143,16 @@ class GNNLMConv(MessagePassing):
                 edge_index_dict: Dict[EdgeType, Tensor]) -> Dict[NodeType, Tensor]:
         _check_inputs(self.metadata, x_dict, edge_index_dict)
         H, D = self.heads, self.head_dim
+        targets = set(self.out_types) & set(x_dict)
+        edges = {e: ei for e, ei in edge_index_dict.items() if e[2] in targets}
+        sources = {e[0] for e in edges}
         h = {t: self.norm[t](x) for t, x in x_dict.items()} if self.norm is not None else x_dict
-        q = {t: self.q_lin[t](x).view(-1, H, D) for t, x in h.items()}  # [N_t, H, D]
-        k = {t: self.k_lin[t](x).view(-1, H, D) for t, x in h.items()}
-        v = {t: self.v_lin[t](x).view(-1, H, D) for t, x in h.items()}
-        agg = {t: x.new_zeros(x.shape[0], H, D) for t, x in x_dict.items()}
+        q = {t: self.q_lin[t](h[t]).view(-1, H, D) for t in targets}    # [N_t, H, D]
+        k = {t: self.k_lin[t](h[t]).view(-1, H, D) for t in sources}
+        v = {t: self.v_lin[t](h[t]).view(-1, H, D) for t in sources}
+        agg = {t: x_dict[t].new_zeros(x_dict[t].shape[0], H, D) for t in targets}
 
-        for edge_type, edge_index in edge_index_dict.items():
+        for edge_type, edge_index in edges.items():
             src, rel, dst = edge_type
             key = torch.einsum("nhd,hde->nhe", k[src], self.w_att[rel])  # K(s) W^ATT [N_s, H, D]
             feat = torch.einsum("nhd,hde->nhe", v[src], self.w_fea[rel])  # eq. 3 [N_s, H, D]
@@ -148,10 +160,10 @@ class GNNLMConv(MessagePassing):
                 edge_index, key=key, query=q[dst], feat=feat, mu=self.mu["__".join(edge_type)],
                 size=(key.shape[0], q[dst].shape[0]))                      # [N_dst, H, D]
 
-        out = {}
-        for t, x in x_dict.items():
+        out = dict(x_dict)
+        for t in targets:
             update = self.o_lin[t](agg[t].reshape(-1, self.channels))      # eq. 4 [N_t, d]
-            out[t] = x + F.dropout(update, self.dropout, self.training)    # eq. 1
+            out[t] = x_dict[t] + F.dropout(update, self.dropout, self.training)  # eq. 1
         return out
 
     def message(self, key_j: Tensor, query_i: Tensor, feat_j: Tensor, mu: Tensor, index: Tensor,
@@ -212,11 +224,17 @@ class HGTLayer(nn.Module):
 class GNNStack(nn.Module):
     """``num_layers`` GNN layers applied in turn (paper: 3 layers); ``kind`` picks the layer:
     ``"gnnlm"`` (``GNNLMConv``, eq. 1–4) or ``"hgt"`` (PyG ``HGTConv`` via ``HGTLayer``;
-    ``zero_init_output`` does not apply to it)."""
+    ``zero_init_output`` does not apply to it).
+
+    ``readout``: the node types read after the stack (GNN-LM: ``("ctx",)``). The last GNNLMConv
+    then updates only those, so it has no parameter that the loss does not reach (which DDP
+    requires) and skips the work on ``nbr`` targets. HGTConv always updates every type: under
+    DDP use ``strategy=ddp_find_unused_parameters_true`` with ``kind="hgt"``.
+    """
 
     def __init__(self, channels: int, metadata: Metadata, num_layers: int = 3, heads: int = 4,
                  dropout: float = 0.0, layer_norm: bool = False, kind: str = "gnnlm",
-                 zero_init_output: bool = True):
+                 zero_init_output: bool = True, readout: Optional[Sequence[NodeType]] = None):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1 (got {num_layers}).")
@@ -224,9 +242,10 @@ class GNNStack(nn.Module):
             raise ValueError(f"kind must be 'gnnlm' or 'hgt' (got {kind!r}).")
         self.kind = kind
         self.layers = nn.ModuleList(
-            GNNLMConv(channels, metadata, heads, dropout, layer_norm, zero_init_output)
+            GNNLMConv(channels, metadata, heads, dropout, layer_norm, zero_init_output,
+                      out_types=readout if i == num_layers - 1 else None)
             if kind == "gnnlm" else HGTLayer(channels, metadata, heads, dropout, layer_norm)
-            for _ in range(num_layers))
+            for i in range(num_layers))
 
     def reset_parameters(self) -> None:
         for layer in self.layers:

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA
+from gnnlm.metrics import target_nll
 from gnnlm.training import TokenLevelModule
 
 
@@ -33,13 +34,14 @@ class GNNLM(TokenLevelModule):
         self.save_hyperparameters()
         self.gnn = GNNStack(feature_dim, METADATA, num_layers=num_layers, heads=heads,
                             dropout=dropout, layer_norm=layer_norm, kind=kind,
-                            zero_init_output=zero_init_output)
+                            zero_init_output=zero_init_output, readout=("ctx",))
 
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
         h = self.gnn(batch.x_dict, batch.edge_index_dict)["ctx"]          # [n_ctx, d]
-        return F.linear(h, *self.output_embedding())
+        with torch.autocast(h.device.type, enabled=False):  # the softmax stays in float32
+            return F.linear(h.float(), *self.output_embedding())
 
     def token_nll(self, batch, stage: str):
-        nll = F.cross_entropy(self(batch).float(), batch["ctx"].y, reduction="none")
+        nll = target_nll(self(batch), batch["ctx"].y)
         return nll, torch.ones_like(nll), batch["ctx"].split_pos

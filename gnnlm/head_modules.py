@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from gnnlm.heads import MultiEmbeddingSoftmax, SpalmGate
+from gnnlm.metrics import target_nll
 from gnnlm.training import TokenLevelModule
 
 
@@ -35,7 +35,7 @@ class SpalmLM(TokenLevelModule):
         if stage == "predict":  # SPALM Figure 5: the distribution of gate values
             self.gate_histogram += torch.histc(gate.detach().float().cpu(), bins=20, min=0,
                                                max=1).long()
-        nll = F.cross_entropy(logits.float(), batch["target"], reduction="none")
+        nll = target_nll(logits, batch["target"])
         return nll, torch.ones_like(nll), batch["positions"]
 
     def on_predict_epoch_start(self) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.nn import functional as F
 
+from gnnlm.metrics import target_nll
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.training import TokenLevelModule
 
@@ -43,8 +43,7 @@ class LanguageModel(TokenLevelModule):
         if self.memory_length:
             self._memory[stage] = feats.memory
         logits = self.model.logits(feats.final)                           # [B, T, V]
-        nll = F.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten(),
-                              reduction="none")
+        nll = target_nll(logits.flatten(0, 1), batch["target"].flatten())
         mask = batch.get("mask", torch.ones_like(batch["target"], dtype=torch.float))
         return nll, mask.flatten().float(), batch.get("positions")
 

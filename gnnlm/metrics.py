@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 from torchmetrics import Metric
 
 
@@ -22,6 +23,18 @@ def bits_per_token(nll_sum: float, n_tokens: int) -> float:
 def ppl_from_logprobs(logprobs: np.ndarray) -> float:
     """Perplexity of per-token natural-log probabilities of the targets."""
     return perplexity(-float(np.sum(logprobs, dtype=np.float64)), len(logprobs))
+
+
+def target_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """−log softmax(logits)[target] per row, in float32.
+
+    With gradients this is ``cross_entropy`` (fused backward); without, logsumexp minus the
+    target's logit, which never writes the [n, V] log-softmax (evaluation is dominated by it).
+    """
+    logits = logits.float()
+    if torch.is_grad_enabled():
+        return F.cross_entropy(logits, target, reduction="none")
+    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, target[..., None]).squeeze(-1)
 
 
 def unigram_logprobs(train: np.ndarray, targets: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -135,13 +135,15 @@ def auto_device(device: str) -> str:
 
 
 # -- trainable stages through LightningCLI ---------------------------------------------------
-def fit_with_cli(name: str, config: str, workdir: Path, extra_inputs: dict) -> dict:
+def fit_with_cli(name: str, config: str, workdir: Path, extra_inputs: dict,
+                 predict: bool = True) -> dict:
     """Train ``config`` (a ``gnnlm fit`` YAML) into ``<workdir>/heads/<name>`` unless done.
 
-    The artifact holds ``model.ckpt`` (the final weights) and, for heads, per-token
-    log-probabilities of the valid and test targets from ``predict``.
+    The artifact holds ``model.ckpt`` (the final weights) and, with ``predict`` (heads),
+    per-token log-probabilities of the valid and test targets.
     """
-    from gnnlm.cli import lightning_main  # LightningCLI is slow to import; only needed here
+    # LightningCLI is slow to import; only needed here
+    from gnnlm.cli import lightning_main
 
     out = workdir / "heads" / name
     builder = ArtifactBuilder(out, kind="trained_model",
@@ -158,22 +160,24 @@ def fit_with_cli(name: str, config: str, workdir: Path, extra_inputs: dict) -> d
         metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
         extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
                  "metrics": metrics, "model_class": type(cli.model).__name__}
-        if name != "base_lm":  # heads: per-token scores on exactly the report's tokens
+        if predict:  # heads: per-token scores on exactly the report's tokens
             for split in EVAL_SPLITS:
                 n = read_manifest(features_dir(workdir, split))["n"]
-                builder.array(f"{split}_logprob", np.float32, (n,))[...] = \
-                    predict_logprobs(cli.model, cli.datamodule, split, n)
+                builder.array(f"{split}_logprob", np.float32, (n,))[...] = predict_logprobs(
+                    cli.model, cli.datamodule, split, n, cli.trainer.precision)
             extra.update(predict_extras(cli.model))
         return builder.finish(extra=extra)
 
 
-def predict_logprobs(model, datamodule, split: str, n: int) -> np.ndarray:
-    """log p(target) for every position of ``split``, in position order, via ``predict``."""
+def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32-true"
+                     ) -> np.ndarray:
+    """log p(target) for every position of ``split``, in position order, via ``predict`` (on one
+    device, with the training run's precision)."""
     import pytorch_lightning as pl
 
     datamodule.hparams.predict_split = split
     trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+                         enable_model_summary=False, precision=precision)
     outputs = trainer.predict(model, datamodule=datamodule)
     positions = torch.cat([o["positions"] for o in outputs]).numpy()
     logprob = np.full(n, np.nan, dtype=np.float32)
@@ -208,7 +212,7 @@ def stage_base_lm(cfg: PipelineConfig, workdir: Path) -> tuple[BaseLM, TokenStor
         if spec.config is None:
             raise ValueError("base_lm needs `ckpt` (a checkpoint or hf:<name>) or `config` (a "
                              "`gnnlm fit` YAML to train one).")
-        manifest = fit_with_cli("base_lm", spec.config, workdir, {})
+        manifest = fit_with_cli("base_lm", spec.config, workdir, {}, predict=False)
         ckpt = str(workdir / "heads" / "base_lm" / manifest["ckpt"])
     else:
         ckpt, manifest = spec.ckpt, {}
@@ -224,14 +228,13 @@ def stage_base_lm(cfg: PipelineConfig, workdir: Path) -> tuple[BaseLM, TokenStor
 def stage_tokens(cfg: PipelineConfig, workdir: Path, ckpt: str) -> TokenStore:
     corpus = cfg.corpus
     if corpus is None and not ckpt.startswith("hf:"):
-        data = torch.load(ckpt, map_location="cpu", weights_only=False).get(
-            "datamodule_hyper_parameters", {})
+        from gnnlm.training import datamodule_args
+
+        data = datamodule_args(ckpt)
         if "corpus" in data:  # a `gnnlm fit` checkpoint names its corpus and tokenizer
-            tok = data.get("tokenizer") or {}
+            tok = data.get("tokenizer") or TokenizerConfig()
             corpus = CorpusStage(name=data["corpus"], path=data.get("corpus_path"),
-                                 data_dir=data.get("data_dir"),
-                                 tokenizer=tok if isinstance(tok, TokenizerConfig)
-                                 else TokenizerConfig(**dict(tok)))
+                                 data_dir=data.get("data_dir"), tokenizer=tok)
     if corpus is None:
         raise ValueError(f"Cannot tell which corpus and tokenizer the base LM {ckpt} reads: "
                          f"add a `corpus:` section to the pipeline config.")
@@ -384,7 +387,7 @@ def stage_ablations(cfg: PipelineConfig, workdir: Path, retrieval: dict) -> Opti
     inputs = {key: read_manifest(r["caches"]["test"])["fingerprint"]
               for key, r in retrieval.items()}
     if stage.memory_lm:
-        memory = fit_with_cli("base_lm_xl", stage.memory_lm, workdir, {})
+        memory = fit_with_cli("base_lm_xl", stage.memory_lm, workdir, {}, predict=False)
         inputs["memory_lm"] = memory["fingerprint"]
     builder = ArtifactBuilder(out, kind="ablations",
                               config={**asdict(stage), "grid": cfg.knn.grid(),
@@ -428,11 +431,13 @@ def load_config(args: list[str]) -> PipelineConfig:
 
 
 def main(args: list[str]) -> None:
-    from gnnlm.report import ROW_NAMES
+    from gnnlm.report import row_name
 
     cfg = load_config(args)
     results = run(cfg)
-    print(f"\n{results['dataset']} test, {results['tokens']:,} tokens ({results['protocol']})")
+    print(f"\n{results['dataset']}: test {results['tokens']:,} tokens ({results['protocol']})")
+    print(f"  {'model':<36} {'valid ppl':>10} {'test ppl':>10}")
     for name, ppl in results["ppl"].items():
-        print(f"  {ROW_NAMES.get(name, name):<24} {ppl:10.2f}")
+        valid = results["valid_ppl"].get(name)
+        print(f"  {row_name(name):<36} {'' if valid is None else f'{valid:.2f}':>10} {ppl:10.2f}")
     print(f"written to {Path(cfg.workdir) / 'reports' / results['name']}")

@@ -15,10 +15,22 @@ import numpy as np
 from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
 from gnnlm.metrics import ppl_from_logprobs
 
-ROW_NAMES = {
-    "base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN", "spalm": "SPALM",
-    "learned_wds": "learned W_ds alone", "learned_wds+base": "base LM + learned W_ds",
-}
+ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN",
+             "spalm": "SPALM (gated long-term memory)"}
+
+
+def row_name(name: str) -> str:
+    """How a results.json ``ppl`` key reads in a table."""
+    if name in ROW_NAMES:
+        return ROW_NAMES[name]
+    if name.startswith("knn["):
+        return f"+kNN, {name[4:-1]} keys"
+    if name.startswith("learned_wds"):
+        head, _, interpolated = name.partition("+")
+        n = head[len("learned_wds"):].strip("[]").replace("n=", "n = ") or None
+        label = "learned W_ds" + (f" ({n})" if n else "")
+        return f"base LM + {label}" if interpolated else f"{label} alone"
+    return name
 
 
 def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
@@ -62,12 +74,12 @@ def _markdown(results: dict) -> str:
              "| model | valid ppl | test ppl |", "|---|---:|---:|"]
     for name, ppl in results["ppl"].items():
         valid = results["valid_ppl"].get(name)
-        lines.append(f"| {ROW_NAMES.get(name, name)} | "
+        lines.append(f"| {row_name(name)} | "
                      f"{'' if valid is None else f'{valid:.2f}'} | {ppl:.2f} |")
     lines += ["", "Interpolation hyper-parameters (fitted on valid):", ""]
     for name, hp in results["hparams"].items():
         shown = {k: v for k, v in hp.items() if k != "valid_ppl"}
-        lines.append(f"- {ROW_NAMES.get(name, name)}: " + ", ".join(f"{k}={v}" for k, v in
+        lines.append(f"- {row_name(name)}: " + ", ".join(f"{k}={v}" for k, v in
                                                                       shown.items()))
     if results.get("knn_recall_buckets"):
         rows = results["knn_recall_buckets"]
@@ -141,7 +153,10 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
     for name, per_split in scores.items():
         if len(per_split["test"]) != test_n:
             raise RuntimeError(f"{name} scored {len(per_split['test'])} test tokens, not {test_n}.")
-    ppl = {name: ppl_from_logprobs(s["test"]) for name, s in scores.items()}
+    order = ["base", "knn", *sorted(n for n in scores if n.startswith("knn[")), "gnn", "gnn+knn",
+             "spalm"]
+    names = [n for n in order if n in scores] + sorted(n for n in scores if n not in order)
+    ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
     valid_ppl.update({name: hp["valid_ppl"] for name, hp in hparams.items() if "valid_ppl" in hp})
     primary = retrieval[cfg.knn.keys[0]]

@@ -154,7 +154,8 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def train_bpe(cls, train_text: str, vocab_size: int) -> "HFTokenizer":
-        from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer as Backend
+        from tokenizers import decoders, models, pre_tokenizers, trainers
 
         backend = Backend(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -173,7 +174,8 @@ class HFTokenizer(Tokenizer):
             return cls(Backend.from_file(str(p)))
         if (p / "tokenizer.json").is_file():
             return cls(Backend.from_file(str(p / "tokenizer.json")))
-        from transformers import AutoTokenizer  # a hub name, or a folder with vocab/merges files
+        # a hub name, or a folder with vocab/merges files
+        from transformers import AutoTokenizer
 
         try:
             fast = AutoTokenizer.from_pretrained(path, use_fast=True)
@@ -265,8 +267,10 @@ class TokenStore:
 def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: str | None = None,
                  data_dir: str | None = None, tokenizer: TokenizerConfig | None = None,
                  rebuild: bool = False) -> TokenStore:
-    """Tokenize every split of a corpus into ``out_dir`` (skipped when already built)."""
-    tokenizer = tokenizer or TokenizerConfig()
+    """Tokenize every split of a corpus into ``out_dir`` (skipped when already built).
+    ``tokenizer`` may also be a mapping of TokenizerConfig fields (as checkpoints save it)."""
+    if not isinstance(tokenizer, TokenizerConfig):
+        tokenizer = TokenizerConfig(**dict(tokenizer or {}))
     files = locate_corpus(corpus, path=corpus_path, data_dir=data_dir)
     for split in SPLITS:  # fail on a missing or empty split before any work
         _read_split(files, split)

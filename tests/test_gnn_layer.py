@@ -207,3 +207,21 @@ def test_bad_arguments():
             layer({**x, "doc": torch.randn(1, C)}, edges)
         with pytest.raises(ValueError, match=r"\(got x_dict with"):
             layer({"ctx": x["ctx"]}, edges)
+
+
+def test_readout_restricts_the_last_layer_to_the_readout_types():
+    """A stack read out at ``ctx`` gives the same ``ctx`` output as a full one with the same
+    weights, and has no parameter the ``ctx`` output does not depend on (DDP needs that)."""
+    torch.manual_seed(0)
+    data = build_graph(np.arange(5, 10), np.array([[3, 40, -1]] * 5), 60, GraphConfig(k=3))
+    x = {"ctx": torch.randn(5, 8), "nbr": torch.randn(data["nbr"].num_nodes, 8)}
+    full = GNNStack(8, METADATA, num_layers=3, heads=2, zero_init_output=False)
+    readout = GNNStack(8, METADATA, num_layers=3, heads=2, zero_init_output=False,
+                       readout=("ctx",))
+    missing, unexpected = readout.load_state_dict(full.state_dict(), strict=False)
+    assert not missing and unexpected                  # only the last layer's nbr-target weights
+    out = readout(x, data.edge_index_dict)
+    torch.testing.assert_close(out["ctx"], full(x, data.edge_index_dict)["ctx"])
+    assert set(out) == {"ctx", "nbr"}
+    out["ctx"].sum().backward()
+    assert all(p.grad is not None for p in readout.parameters())

@@ -4,8 +4,17 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from gnnlm.graph import (CTX_INTRA, EDGE_TYPES, METADATA, NBR_INTER, NBR_INTRA, NODE_TYPES,
-                         GraphConfig, build_graph, graph_sizes)
+from gnnlm.graph import (
+    CTX_INTRA,
+    EDGE_TYPES,
+    METADATA,
+    NBR_INTER,
+    NBR_INTRA,
+    NODE_TYPES,
+    GraphConfig,
+    build_graph,
+    graph_sizes,
+)
 
 # Hand-worked block: T = 3 valid tokens at split positions 10, 11, 12; K = 2; l = r = 1;
 # n_train = 20. Token 0 retrieved 5 and 0 (window of 0 clipped at -1), token 1 retrieved 19

@@ -9,8 +9,15 @@ import numpy as np
 import pytest
 
 from gnnlm.artifacts import ArtifactBuilder, ArtifactError
-from gnnlm.index import (IndexConfig, Searcher, auto_factory, build_index, exact_search,
-                         pq_subquantizers, recall_at)
+from gnnlm.index import (
+    IndexConfig,
+    Searcher,
+    auto_factory,
+    build_index,
+    exact_search,
+    pq_subquantizers,
+    recall_at,
+)
 
 
 def write_features(path, final, att=None, targets=None, lm_logprob=None,

@@ -10,8 +10,17 @@ import torch
 
 from gnnlm.artifacts import ArtifactBuilder
 from gnnlm.index import IndexConfig, build_index
-from gnnlm.knn import (build_knn_cache, evaluate, fit, interpolate, knn_lm_logprob, knn_logprob,
-                       open_knn_cache, similarity, sweep)
+from gnnlm.knn import (
+    build_knn_cache,
+    evaluate,
+    fit,
+    interpolate,
+    knn_lm_logprob,
+    knn_logprob,
+    open_knn_cache,
+    similarity,
+    sweep,
+)
 from gnnlm.neighbors import NeighborsConfig, build_neighbors, open_neighbors
 
 

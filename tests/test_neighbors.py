@@ -8,7 +8,12 @@ import pytest
 
 from gnnlm.artifacts import ArtifactBuilder, ArtifactError
 from gnnlm.index import IndexConfig, build_index, exact_search
-from gnnlm.neighbors import NeighborsConfig, build_neighbors, mask_leakage, open_neighbors
+from gnnlm.neighbors import (
+    NeighborsConfig,
+    build_neighbors,
+    mask_leakage,
+    open_neighbors,
+)
 
 
 def write_features(path, final, lm=("fake-lm", "weights-a"), split="train", seed=0):

@@ -2,7 +2,13 @@ import numpy as np
 import pytest
 
 from gnnlm.corpus import CorpusNotFoundError, locate_corpus
-from gnnlm.tokens import CharTokenizer, HFTokenizer, TokenizerConfig, TokenStore, build_tokens
+from gnnlm.tokens import (
+    CharTokenizer,
+    HFTokenizer,
+    TokenizerConfig,
+    TokenStore,
+    build_tokens,
+)
 
 
 def test_wikitext2_word_level_counts(wikitext_tokens):
