@@ -1,14 +1,14 @@
 """The index stage against exact search on synthetic features written as real artifacts."""
 from __future__ import annotations
 
-import hashlib
 import json
 
 import faiss
 import numpy as np
 import pytest
+from fakes import write_features
 
-from gnnlm.artifacts import ArtifactBuilder, ArtifactError
+from gnnlm.artifacts import ArtifactError
 from gnnlm.index import (
     IndexConfig,
     Searcher,
@@ -18,26 +18,6 @@ from gnnlm.index import (
     pq_subquantizers,
     recall_at,
 )
-
-
-def write_features(path, final, att=None, targets=None, lm_logprob=None,
-                   lm=("fake-lm", "weights-a"), split="train"):
-    """A features artifact with the manifest extras ``build_features`` writes."""
-    n, d = final.shape
-    att = final if att is None else att
-    targets = np.zeros(n, dtype=np.int32) if targets is None else targets
-    digest = hashlib.sha256(np.ascontiguousarray(final).tobytes()).hexdigest()[:16]
-    builder = ArtifactBuilder(path, kind="features", config={"split": split},
-                              inputs={"base_lm": lm[0], "base_lm_fingerprint": lm[1],
-                                      "data": digest})
-    with builder:
-        builder.array("final", np.float16, (n, d))[:] = final
-        builder.array("att", np.float16, (n, d))[:] = att
-        builder.array("targets", np.int32, (n,))[:] = targets
-        if lm_logprob is not None:
-            builder.array("lm_logprob", np.float32, (n,))[:] = lm_logprob
-        return builder.finish(extra={"n": n, "dim": d, "keys": ["final", "att"],
-                                     "base_lm": {"name": lm[0], "fingerprint": lm[1]}})
 
 
 def clustered(n=20000, d=64, centres=200, rank=8, seed=0):

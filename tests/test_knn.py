@@ -1,14 +1,13 @@
 """kNN-LM maths against direct per-token formulas, and the cache against recomputation."""
 from __future__ import annotations
 
-import hashlib
 import math
 
+import fakes
 import numpy as np
 import pytest
 import torch
 
-from gnnlm.artifacts import ArtifactBuilder
 from gnnlm.index import IndexConfig, build_index
 from gnnlm.knn import (
     build_knn_cache,
@@ -24,22 +23,9 @@ from gnnlm.knn import (
 from gnnlm.neighbors import NeighborsConfig, build_neighbors, open_neighbors
 
 
-def write_features(path, final, targets, lm_logprob=None, lm=("fake-lm", "weights-a"),
-                   split="train"):
-    """A features artifact with the manifest extras ``build_features`` writes."""
-    n, d = final.shape
-    digest = hashlib.sha256(np.ascontiguousarray(final).tobytes()).hexdigest()[:16]
-    builder = ArtifactBuilder(path, kind="features", config={"split": split},
-                              inputs={"base_lm": lm[0], "base_lm_fingerprint": lm[1],
-                                      "data": digest})
-    with builder:
-        builder.array("final", np.float16, (n, d))[:] = final
-        builder.array("att", np.float16, (n, d))[:] = -final
-        builder.array("targets", np.int32, (n,))[:] = targets
-        if lm_logprob is not None:
-            builder.array("lm_logprob", np.float32, (n,))[:] = lm_logprob
-        return builder.finish(extra={"n": n, "dim": d, "keys": ["final", "att"],
-                                     "base_lm": {"name": lm[0], "fingerprint": lm[1]}})
+def write_features(path, final, targets, lm_logprob=None, **kw):
+    """Features whose ``att`` keys are ``-final`` (so the two key types differ)."""
+    return fakes.write_features(path, final, -final, targets, lm_logprob, **kw)
 
 
 def random_cache(n=500, K=40, seed=0):

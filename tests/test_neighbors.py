@@ -1,36 +1,22 @@
 """Neighbours of every position: leakage masking, resumption, and the exact backend."""
 from __future__ import annotations
 
-import hashlib
 
+import fakes
 import numpy as np
 import pytest
 
-from gnnlm.artifacts import ArtifactBuilder, ArtifactError
+from gnnlm.artifacts import ArtifactError
 from gnnlm.index import IndexConfig, build_index, exact_search
-from gnnlm.neighbors import (
-    NeighborsConfig,
-    build_neighbors,
-    mask_leakage,
-    open_neighbors,
-)
+from gnnlm.neighbors import NeighborsConfig, build_neighbors, mask_leakage, open_neighbors
 
 
 def write_features(path, final, lm=("fake-lm", "weights-a"), split="train", seed=0):
-    """A features artifact with the manifest extras ``build_features`` writes."""
-    n, d = final.shape
+    """Features with reversed ``att`` keys and random targets and LM scores."""
     rng = np.random.default_rng(seed)
-    digest = hashlib.sha256(np.ascontiguousarray(final).tobytes()).hexdigest()[:16]
-    builder = ArtifactBuilder(path, kind="features", config={"split": split},
-                              inputs={"base_lm": lm[0], "base_lm_fingerprint": lm[1],
-                                      "data": digest})
-    with builder:
-        builder.array("final", np.float16, (n, d))[:] = final
-        builder.array("att", np.float16, (n, d))[:] = final[:, ::-1]
-        builder.array("targets", np.int32, (n,))[:] = rng.integers(0, 50, n)
-        builder.array("lm_logprob", np.float32, (n,))[:] = -rng.uniform(0.5, 6, n)
-        return builder.finish(extra={"n": n, "dim": d, "keys": ["final", "att"],
-                                     "base_lm": {"name": lm[0], "fingerprint": lm[1]}})
+    n = len(final)
+    return fakes.write_features(path, final, final[:, ::-1], rng.integers(0, 50, n),
+                                -rng.uniform(0.5, 6, n), lm=lm, split=split)
 
 
 def random_walk(n, d=16, seed=0, start=None):
