@@ -139,8 +139,10 @@ def fit_with_cli(name: str, config: str, workdir: Path, extra_inputs: dict,
                  predict: bool = True) -> dict:
     """Train ``config`` (a ``gnnlm fit`` YAML) into ``<workdir>/heads/<name>`` unless done.
 
-    The artifact holds ``model.ckpt`` (the final weights) and, with ``predict`` (heads),
-    per-token log-probabilities of the valid and test targets.
+    The artifact holds ``model.ckpt`` and, with ``predict`` (heads), per-token log-probabilities
+    of the valid and test targets. When the config's ``ModelCheckpoint`` monitors a metric, the
+    weights are those of its best checkpoint (a base LM trained too long on WikiText-2 overfits:
+    the features and the report then come from the best validation step, not the last).
     """
     # LightningCLI is slow to import; only needed here
     from gnnlm.cli import lightning_main
@@ -155,6 +157,7 @@ def fit_with_cli(name: str, config: str, workdir: Path, extra_inputs: dict,
     with builder:
         cli = lightning_main(["fit", "-c", config, f"--data.init_args.workdir={workdir}",
                               f"--trainer.default_root_dir={workdir / 'logs' / name}"])
+        restore_best_weights(cli)
         ckpt = builder.file("model.ckpt")
         cli.trainer.save_checkpoint(ckpt)
         metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
@@ -167,6 +170,15 @@ def fit_with_cli(name: str, config: str, workdir: Path, extra_inputs: dict,
                     cli.model, cli.datamodule, split, n, cli.trainer.precision)
             extra.update(predict_extras(cli.model))
         return builder.finish(extra=extra)
+
+
+def restore_best_weights(cli) -> None:
+    """Load the monitored checkpoint callback's best weights into ``cli.model``, if any."""
+    callback = cli.trainer.checkpoint_callback
+    best = getattr(callback, "best_model_path", "") if callback is not None else ""
+    if callback is not None and callback.monitor and best:
+        state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
+        cli.model.load_state_dict(state)
 
 
 def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32-true"

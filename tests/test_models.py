@@ -83,3 +83,22 @@ def test_bad_sizes_are_refused():
         GPTConfig(vocab_size=10, d_model=30, n_head=4)
     with pytest.raises(ValueError, match="vocab_size"):
         GPTConfig(vocab_size=0)
+
+
+@pytest.mark.parametrize("monitor", ["val/ppl", None])
+def test_pipeline_keeps_the_best_monitored_weights(tmp_path, monitor):
+    from types import SimpleNamespace
+
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from gnnlm.pipeline import restore_best_weights
+
+    best, last = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    torch.save({"state_dict": best.state_dict()}, tmp_path / "best.ckpt")
+    callback = ModelCheckpoint(dirpath=tmp_path, monitor=monitor)
+    callback.best_model_path = str(tmp_path / "best.ckpt")
+    before = last.weight.detach().clone()
+    restore_best_weights(SimpleNamespace(trainer=SimpleNamespace(checkpoint_callback=callback),
+                                         model=last))
+    expected = best.weight if monitor else before
+    assert torch.equal(last.weight.detach(), expected.detach())
