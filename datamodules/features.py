@@ -24,6 +24,31 @@ from gnnlm.datastore import (
 )
 
 
+class NeighborValues:
+    """The values (next tokens) of the top-k retrieved train positions of a split's positions,
+    read from ``<workdir>/neighbors/<neighbors>/<split>`` (-1 where fewer than k were found)."""
+
+    def __init__(self, workdir: Path, neighbors: str, split: str, k: int):
+        self.workdir, self.k = Path(workdir), k
+        self.dir = self.workdir / "neighbors" / neighbors / split
+        manifest = read_manifest(self.dir, kind="neighbors")
+        if manifest["K"] < k:
+            raise ValueError(f"k={k} neighbours asked for but {self.dir} holds only "
+                             f"K={manifest['K']}.")
+        self.n = manifest["n"]  # positions covered (train neighbours may cover only a prefix)
+        self._arrays = None  # memmaps open lazily in each worker
+
+    def __call__(self, positions) -> torch.Tensor:
+        """``positions``: a slice or an index array of the split → values ``[..., k]`` int64."""
+        if self._arrays is None:
+            self._arrays = (open_array(self.dir, "ids"),
+                            open_features(features_dir(self.workdir, "train"))[1]["targets"])
+        ids, values = self._arrays
+        nbr = np.asarray(ids[positions, : self.k], dtype=np.int64)
+        return torch.from_numpy(np.where(nbr >= 0, values[np.maximum(nbr, 0)], -1)
+                                .astype(np.int64))
+
+
 class FeatureBlocks(Dataset):
     def __init__(self, workdir: Path, split: str, key: str, neighbors: Optional[str], k: int,
                  block_size: int, max_tokens: Optional[int] = None):
@@ -32,23 +57,15 @@ class FeatureBlocks(Dataset):
         manifest = read_manifest(features_dir(workdir, split), kind="features")
         check_key(manifest, key)
         n = manifest["n"]
-        if neighbors:
-            self.nbr_dir = workdir / "neighbors" / neighbors / split
-            nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
-            if nbr_manifest["K"] < k:
-                raise ValueError(f"k={k} neighbours asked for but {self.nbr_dir} holds only "
-                                 f"K={nbr_manifest['K']}.")
-            n = nbr_manifest["n"]  # train neighbours may cover only a prefix
+        self.nbr_values = NeighborValues(workdir, neighbors, split, k) if neighbors else None
+        if self.nbr_values is not None:
+            n = self.nbr_values.n  # train neighbours may cover only a prefix
         self.n = n if max_tokens is None else min(n, max_tokens)
         self._arrays = None  # memmaps open lazily in each worker
 
     def _open(self):
         _, feats = open_features(features_dir(self.workdir, self.split))
-        ids = values = None
-        if self.neighbors:
-            ids = open_array(self.nbr_dir, "ids")
-            values = open_features(features_dir(self.workdir, "train"))[1]["targets"]
-        self._arrays = (feats[self.key], feats["targets"], ids, values)
+        self._arrays = (feats[self.key], feats["targets"])
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)
@@ -56,15 +73,13 @@ class FeatureBlocks(Dataset):
     def __getitem__(self, i: int) -> dict:
         if self._arrays is None:
             self._open()
-        h, targets, ids, values = self._arrays
+        h, targets = self._arrays
         rows = slice(i * self.block_size, min((i + 1) * self.block_size, self.n))
         item = {"h": torch.from_numpy(np.asarray(h[rows], dtype=np.float32)),
                 "target": torch.from_numpy(np.asarray(targets[rows], dtype=np.int64)),
                 "positions": torch.arange(rows.start, rows.stop)}
-        if ids is not None:
-            nbr = np.asarray(ids[rows, : self.k], dtype=np.int64)           # [B, k]
-            nbr_values = np.where(nbr >= 0, values[np.maximum(nbr, 0)], -1)
-            item["nbr_values"] = torch.from_numpy(nbr_values.astype(np.int64))
+        if self.nbr_values is not None:
+            item["nbr_values"] = self.nbr_values(rows)
         return item
 
 

@@ -25,7 +25,9 @@ from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
 
 
 class Blocks(Dataset):
-    """Non-overlapping blocks: ``input = stream[i*T : (i+1)*T]``, target shifted by one."""
+    """Non-overlapping blocks: ``input = stream[i*T : (i+1)*T]``, target shifted by one.
+
+    ``positions`` are the split positions (``gnnlm.encode``) that the inputs are read at."""
 
     def __init__(self, stream: torch.Tensor, block_size: int):
         self.stream, self.T = stream, block_size
@@ -39,7 +41,8 @@ class Blocks(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         chunk = self.stream[i * self.T: (i + 1) * self.T + 1]
-        return {"input": chunk[:-1], "target": chunk[1:]}
+        return {"input": chunk[:-1], "target": chunk[1:],
+                "positions": torch.arange(i * self.T, (i + 1) * self.T)}
 
 
 class SlidingWindows(Dataset):
@@ -59,7 +62,8 @@ class SlidingWindows(Dataset):
         chunk = self.stream[s: s + self.context + 1]
         mask = torch.zeros(self.context)
         mask[int(self.score_from[w]) - s:] = 1.0
-        return {"input": chunk[:-1], "target": chunk[1:], "mask": mask}
+        return {"input": chunk[:-1], "target": chunk[1:], "mask": mask,
+                "positions": torch.arange(s, s + self.context)}
 
 
 class StreamSegments(Dataset):

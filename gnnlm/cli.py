@@ -31,6 +31,10 @@ class GnnlmCLI(LightningCLI):
                               apply_on="instantiate")
         parser.link_arguments("data.feature_dim", "model.init_args.feature_dim",
                               apply_on="instantiate")
+        # heads that run the base LM take the one their datastore was built with
+        parser.link_arguments("data.base_lm", "model.init_args.base_lm", apply_on="instantiate")
+        parser.link_arguments("data.base_lm_fingerprint", "model.init_args.base_lm_fingerprint",
+                              apply_on="instantiate")
 
 
 def lightning_main(args: list[str] | None = None) -> GnnlmCLI:

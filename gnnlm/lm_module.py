@@ -45,7 +45,8 @@ class LanguageModel(TokenLevelModule):
         logits = self.model.logits(feats.final)                           # [B, T, V]
         nll = target_nll(logits.flatten(0, 1), batch["target"].flatten())
         mask = batch.get("mask", torch.ones_like(batch["target"], dtype=torch.float))
-        return nll, mask.flatten().float(), batch.get("positions")
+        positions = batch.get("positions")
+        return nll, mask.flatten().float(), None if positions is None else positions.flatten()
 
     def on_train_epoch_start(self) -> None:
         self._memory["train"] = None

@@ -125,6 +125,7 @@ class PipelineConfig:
     pq: PQConfig = field(default_factory=PQConfig)
     gnn: HeadStage = field(default_factory=HeadStage)
     spalm: HeadStage = field(default_factory=HeadStage)
+    spalm_finetune: HeadStage = field(default_factory=HeadStage)
     learned_wds: LearnedWdsStage = field(default_factory=LearnedWdsStage)
     ablations: AblationStage = field(default_factory=AblationStage)
     rebuild: bool = False
@@ -359,6 +360,9 @@ def run(cfg: PipelineConfig) -> dict:
         heads["gnn"] = fit_with_cli("gnn", cfg.gnn.config, workdir, head_inputs(workdir))
     if cfg.spalm.config:
         heads["spalm"] = fit_with_cli("spalm", cfg.spalm.config, workdir, head_inputs(workdir))
+    if cfg.spalm_finetune.config:  # SPALM with the base LM's last block trained too
+        heads["spalm_ft"] = fit_with_cli("spalm_ft", cfg.spalm_finetune.config, workdir,
+                                         head_inputs(workdir))
     for name, config in cfg.learned_wds.named().items():
         heads[name] = fit_with_cli(name.replace("[n=", "_n").rstrip("]"), config, workdir,
                                    head_inputs(workdir))

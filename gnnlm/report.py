@@ -16,7 +16,8 @@ from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
 from gnnlm.metrics import ppl_from_logprobs
 
 ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN",
-             "spalm": "SPALM (gated long-term memory)"}
+             "spalm": "SPALM (gated long-term memory)",
+             "spalm_ft": "SPALM, last block fine-tuned"}
 
 
 def row_name(name: str) -> str:
@@ -154,7 +155,7 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
         if len(per_split["test"]) != test_n:
             raise RuntimeError(f"{name} scored {len(per_split['test'])} test tokens, not {test_n}.")
     order = ["base", "knn", *sorted(n for n in scores if n.startswith("knn[")), "gnn", "gnn+knn",
-             "spalm"]
+             "spalm", "spalm_ft"]
     names = [n for n in order if n in scores] + sorted(n for n in scores if n not in order)
     ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
@@ -180,9 +181,10 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
     results["knn_recall_buckets"] = recall_buckets(np.asarray(hits).sum(1), scores["base"]["test"],
                                                    scores[best]["test"])
     results["knn_recall_buckets_model"] = best
-    if "spalm" in heads and "gate" in heads["spalm"]:
-        results["spalm_gate"] = heads["spalm"]["gate"]
-        plot_gate_histogram(heads["spalm"]["gate"]["histogram"], out / "spalm_gate_hist.png")
+    for head in ("spalm", "spalm_ft"):
+        if head in heads and "gate" in heads[head]:
+            results[f"{head}_gate"] = heads[head]["gate"]
+            plot_gate_histogram(heads[head]["gate"]["histogram"], out / f"{head}_gate_hist.png")
     if ablations:
         results["ablations"] = ablations
         for png in (workdir / "ablations").glob("*.png"):

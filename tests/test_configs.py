@@ -33,7 +33,7 @@ def test_pipeline_configs_parse(path, monkeypatch):
     cfg = load_config(command[2:])
     cfg.knn.grid()
     referenced = [cfg.base_lm.config, cfg.gnn.config, cfg.spalm.config,
-                  cfg.ablations.memory_lm, *cfg.learned_wds.configs]
+                  cfg.spalm_finetune.config, cfg.ablations.memory_lm, *cfg.learned_wds.configs]
     for config in filter(None, referenced):
         assert (REPO / config).is_file(), config
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 def test_results_json_has_the_promised_fields(results):
     assert results["dataset"] == "wikitext-2" and results["split"] == "test"
     assert results["tokens"] == 20000
-    assert {"base", "knn", "gnn", "gnn+knn", "spalm", "learned_wds"} <= set(results["ppl"])
+    assert {"base", "knn", "gnn", "gnn+knn", "spalm", "spalm_ft", "learned_wds"} <= set(
+        results["ppl"])
     assert {"k", "lambda", "temperature", "similarity", "key"} <= set(results["hparams"]["knn"])
     assert {"base_lm", "features", "index[final]", "neighbors[final]", "gnn"} <= set(
         results["timing_s"])
@@ -58,6 +59,33 @@ def test_spalm_and_learned_wds_beat_the_base_lm(results):
     assert ppl["learned_wds+base"] < ppl["base"]
     hist = results["spalm_gate"]["histogram"]
     assert sum(hist) == results["tokens"] * 64           # every gate dimension of every token
+
+
+def test_spalm_with_its_last_block_fine_tuned_beats_the_base_lm(results):
+    ppl = results["ppl"]
+    assert ppl["spalm_ft"] < ppl["base"]
+    assert sum(results["spalm_ft_gate"]["histogram"]) == results["tokens"] * 64
+
+
+def test_retrieval_windows_carry_the_datastore_s_tokens_and_neighbours(workdir):
+    from datamodules.features import FeatureBlocks
+    from datamodules.retrieval_windows import RetrievalWindowsDataModule
+
+    data = RetrievalWindowsDataModule(workdir=str(workdir), neighbors="final-cos", k=4,
+                                      eval_batch_size=4)
+    assert (data.context, data.stride) == (64, 32)
+    assert data.base_lm_fingerprint == load_base_lm(data.base_lm).fingerprint()
+    batch = next(iter(data.test_dataloader()))
+    _, test = open_features(features_dir(workdir, "test"))
+    positions = batch["positions"].flatten().numpy()
+    np.testing.assert_array_equal(batch["target"].flatten().numpy(), test["targets"][positions])
+    blocks = FeatureBlocks(workdir, "test", "final", "final-cos", 4, block_size=10**6)
+    np.testing.assert_array_equal(batch["nbr_values"].reshape(-1, 4).numpy(),
+                                  blocks[0]["nbr_values"].numpy()[positions])
+    covered = read_manifest(workdir / "neighbors" / "final-cos" / "train")["n"]
+    too_long = RetrievalWindowsDataModule(workdir=str(workdir), train_tokens=covered + 1)
+    with pytest.raises(ValueError, match="cover only the first"):
+        too_long.train_dataloader()
 
 
 def test_every_row_scores_the_same_tokens(workdir, results):

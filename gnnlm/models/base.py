@@ -42,6 +42,11 @@ class BaseLM(nn.Module):
         """``(W [V, d], b [V] or None)`` such that ``logits = final @ W.T + b``."""
         raise NotImplementedError
 
+    def last_block(self) -> list[nn.Module]:
+        """The modules after the last block's input: that block and the final norm (the part
+        SPALM fine-tuning trains; everything before it stays frozen)."""
+        raise NotImplementedError
+
     def logits(self, final: Tensor) -> Tensor:
         weight, bias = self.output_embedding()
         return F.linear(final, weight, bias)

@@ -141,3 +141,6 @@ class GPT(BaseLM):
 
     def output_embedding(self) -> tuple[Tensor, Optional[Tensor]]:
         return self.lm_head.weight, None
+
+    def last_block(self) -> list[nn.Module]:
+        return [self.blocks[-1], self.ln_f]

@@ -14,15 +14,24 @@ from torch import Tensor, nn
 from gnnlm.models.base import BaseLM, Features
 
 
-def _last_mlp(model: nn.Module) -> nn.Module:
+def _last_block(model: nn.Module) -> nn.Module:
     base = model.base_model
     for attr in ("h", "layers", "blocks"):
         blocks = getattr(base, attr, None)
         if isinstance(blocks, nn.ModuleList) and hasattr(blocks[-1], "mlp"):
-            return blocks[-1].mlp
+            return blocks[-1]
     raise ValueError(f"Cannot find the last block's MLP in {type(model).__name__}: supported are "
                      f"models whose base has `h`, `layers` or `blocks` with an `.mlp` (GPT-2, "
                      f"GPT-Neo, Llama, Mistral, Qwen, ...).")
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    base = model.base_model
+    for attr in ("ln_f", "norm", "final_layernorm", "final_layer_norm"):
+        if isinstance(getattr(base, attr, None), nn.Module):
+            return getattr(base, attr)
+    raise ValueError(f"Cannot find the final norm of {type(model).__name__} (looked for ln_f, "
+                     f"norm, final_layernorm, final_layer_norm).")
 
 
 class HFCausalLM(BaseLM):
@@ -36,7 +45,7 @@ class HFCausalLM(BaseLM):
         self.context_length = int(getattr(cfg, "n_positions", None)
                                   or getattr(cfg, "max_position_embeddings"))
         self._captured: Optional[Tensor] = None
-        _last_mlp(model).register_forward_pre_hook(self._capture)
+        _last_block(model).mlp.register_forward_pre_hook(self._capture)
 
     def _capture(self, module: nn.Module, args: tuple) -> None:
         self._captured = args[0]
@@ -60,6 +69,9 @@ class HFCausalLM(BaseLM):
         out = self.model.base_model(input_ids=input_ids, use_cache=False)
         att, self._captured = self._captured, None
         return Features(final=out.last_hidden_state, att=att)
+
+    def last_block(self) -> list[nn.Module]:
+        return [_last_block(self.model), _final_norm(self.model)]
 
     def output_embedding(self) -> tuple[Tensor, Optional[Tensor]]:
         head = self.model.get_output_embeddings()
