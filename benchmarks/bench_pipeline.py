@@ -106,8 +106,8 @@ def main() -> None:
     from gnnlm.training import datamodule_args
 
     gnn = GNNLM.load_from_checkpoint(gnn_dir / "model.ckpt", map_location="cpu")
-    dm = GraphDataModule(**{**datamodule_args(str(gnn_dir / "model.ckpt")), "workdir": str(workdir), "eval_tokens": n,
-                            "num_workers": 0})
+    dm = GraphDataModule(**{**datamodule_args(str(gnn_dir / "model.ckpt")),
+                            "workdir": str(workdir), "eval_tokens": n, "num_workers": 0})
     gnn.attach_output_embedding(*dm.output_embedding())
     gnn.eval()
     loader = dm.test_dataloader()

@@ -97,7 +97,8 @@ class GraphDataModule(pl.LightningDataModule):
                                                  kind="neighbors")
         except ArtifactError as err:
             raise ArtifactError(f"{err} The graph data module reads the artifacts of "
-                                f"`gnnlm pipeline`; run it (or its retrieval stages) first.") from err
+                                f"`gnnlm pipeline`; run it (or its retrieval stages) "
+                                f"first.") from err
         self.feature_dim = train_manifest["dim"]
         self.vocab_size = train_manifest["vocab_size"]
 

@@ -51,7 +51,8 @@ def build_pq(train_features_dir: str | Path, out_dir: str | Path, config: PQConf
     n, d = keys.shape
     m = config.m or max(1, d // 4)
     factory = codec_factory(d, m, config.opq)
-    builder = ArtifactBuilder(out_dir, kind="pq", config={**vars(config), "m": m, "factory": factory},
+    builder = ArtifactBuilder(out_dir, kind="pq",
+                              config={**vars(config), "m": m, "factory": factory},
                               inputs={"features": feat_manifest["fingerprint"]}, rebuild=rebuild)
     if builder.is_complete():
         return read_manifest(out_dir)

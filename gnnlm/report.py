@@ -112,7 +112,8 @@ def _ablation_markdown(ablations: Optional[dict]) -> list[str]:
         n = ablations["tokens"]
         lines += ["", f"Ablations (Xu et al.; first {n['test']:,} test / {n['valid']:,} valid "
                       f"tokens, k/T/λ fitted on valid):", "",
-                  "| variant | k | T | λ | valid ppl | test ppl |", "|---|---:|---:|---:|---:|---:|"]
+                  "| variant | k | T | λ | valid ppl | test ppl |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for r in ablations["rows"]:
             lines.append(f"| {r['row']} | {r.get('k', '')} | {r.get('temperature', '')} | "
                          f"{r.get('lambda', '')} | {r['valid_ppl']:.2f} | {r['test_ppl']:.2f} |")

@@ -219,7 +219,8 @@ def fit_tokenizer(config: TokenizerConfig, train_text: str) -> Tokenizer:
             raise ValueError("tokenizer kind 'hf' needs `path`: a tokenizer.json file or a "
                              "pretrained model's name or folder.")
         return HFTokenizer.from_path(config.path)
-    raise ValueError(f"Unknown tokenizer kind {config.kind!r} (expected one of {list(TOKENIZERS)}).")
+    raise ValueError(f"Unknown tokenizer kind {config.kind!r} (expected one of "
+                     f"{list(TOKENIZERS)}).")
 
 
 def _read_split(files: dict[str, Path], split: str) -> str:
@@ -278,7 +279,8 @@ def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: s
     tok_cfg = {k: v for k, v in asdict(tokenizer).items() if v is not None}
     if tokenizer.kind != "bpe":
         tok_cfg.pop("vocab_size")
-    builder = ArtifactBuilder(out_dir, kind="tokens", config={"corpus": corpus, "tokenizer": tok_cfg},
+    builder = ArtifactBuilder(out_dir, kind="tokens",
+                              config={"corpus": corpus, "tokenizer": tok_cfg},
                               inputs={f"{s}_sha256": h[:16] for s, h in sources.items()},
                               rebuild=rebuild)
     if builder.is_complete():

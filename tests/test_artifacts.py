@@ -40,7 +40,8 @@ def test_killed_build_leaves_no_complete_artifact_and_resumes_to_same_bytes(tmp_
     assert progress["progress"]["chunks_done"] == 2
     assert _build(tmp_path / "x") == "built"
     _build(tmp_path / "y")
-    assert (tmp_path / "x" / "values.bin").read_bytes() == (tmp_path / "y" / "values.bin").read_bytes()
+    assert ((tmp_path / "x" / "values.bin").read_bytes()
+            == (tmp_path / "y" / "values.bin").read_bytes())
     assert not (tmp_path / "x.partial").exists()
 
 

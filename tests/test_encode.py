@@ -36,8 +36,9 @@ def test_features_do_not_depend_on_chunking():
         out = np.zeros((len(tokens), 16), dtype=np.float32)
         lp = np.zeros(len(tokens), dtype=np.float32)
         for lo in range(0, n_windows, chunk_windows):
-            for b in encode_windows(model, tokens, 0, 16, 6, (lo, min(lo + chunk_windows, n_windows)),
-                                    batch_size, with_logprob=True):
+            window_range = (lo, min(lo + chunk_windows, n_windows))
+            for b in encode_windows(model, tokens, 0, 16, 6, window_range, batch_size,
+                                    with_logprob=True):
                 out[b.start: b.start + len(b.final)] = b.final.numpy()
                 lp[b.start: b.start + len(b.final)] = b.logprob.numpy()
         return out, lp

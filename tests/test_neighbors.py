@@ -1,7 +1,6 @@
 """Neighbours of every position: leakage masking, resumption, and the exact backend."""
 from __future__ import annotations
 
-
 import fakes
 import numpy as np
 import pytest

@@ -197,8 +197,9 @@ def test_rerun_skips_every_stage_and_sweep_and_explain_work(run_dir, workdir, re
 def test_ddp_fit_on_two_cpu_processes(run_dir, workdir):
     """GNN-LM training runs unchanged under DDP (gloo, 2 processes)."""
     out = run_gnnlm(["fit", "-c", "configs/tests/tiny_gnn.yaml", "--trainer.strategy=ddp",
-                     "--trainer.devices=2", "--trainer.max_epochs=1", "--trainer.limit_train_batches=6",
-                     "--trainer.limit_val_batches=4", f"--trainer.default_root_dir={run_dir / 'ddp'}",
+                     "--trainer.devices=2", "--trainer.max_epochs=1",
+                     "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=4",
+                     f"--trainer.default_root_dir={run_dir / 'ddp'}",
                      f"--data.init_args.workdir={workdir}"], run_dir, timeout=600)
     metrics = next((run_dir / "ddp").glob("lightning_logs/version_*/metrics.csv")).read_text()
     assert "val/ppl" in metrics
