@@ -37,12 +37,26 @@ def row_name(name: str) -> str:
 def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
                    n_buckets: int = 5) -> list[dict]:
     """GNN-LM Table 4: tokens split by kNN recall R(c_t) = #neighbours whose value is the target
-    (eq. 6) into equal-count buckets; mean log p of the base LM and of ``model`` per bucket."""
+    (eq. 6) into about equal-count buckets; mean log p of the base LM and of ``model`` per bucket.
+
+    Tokens of equal recall always share a bucket (a bucket boundary moves up to the next change
+    of recall), so the recall ranges are disjoint; with many ties there are fewer buckets."""
     order = np.argsort(hits_count, kind="stable")
+    sorted_hits = hits_count[order]
+    n = len(order)
+    cuts = [0]
+    for i in range(1, n_buckets):
+        cut = max(int(round(i * n / n_buckets)), cuts[-1])
+        # first index at or after ``cut`` whose recall differs from the one before it
+        cut = int(np.searchsorted(sorted_hits, sorted_hits[cut - 1], side="right")) if cut else 0
+        if cuts[-1] < cut < n:
+            cuts.append(cut)
+    cuts.append(n)
     rows = []
-    for part in np.array_split(order, n_buckets):
+    for start, stop in zip(cuts[:-1], cuts[1:]):
+        part = order[start:stop]
         b, m = float(base[part].mean()), float(model[part].mean())
-        rows.append({"recall_range": [int(hits_count[part].min()), int(hits_count[part].max())],
+        rows.append({"recall_range": [int(sorted_hits[start]), int(sorted_hits[stop - 1])],
                      "tokens": int(len(part)), "base_logprob": b, "model_logprob": m,
                      "absolute_improvement": m - b,
                      "relative_improvement": (m - b) / abs(b) if b else 0.0})

@@ -214,3 +214,17 @@ def test_sweep_is_exact_where_float32_weights_underflow():
                 assert grid[i, j, l] == pytest.approx(evaluate(cache, k, t, lam), rel=1e-5)
     assert np.isinf(grid[0, 0, 0]) and np.isfinite(grid[1, 0, 0])  # k=1: no hit; k=2: e^-200
     assert knn_logprob(sims, hits, 2, 1.0)[0] == pytest.approx(-200.0)
+
+
+def test_recall_buckets_never_split_a_recall_value():
+    from gnnlm.report import recall_buckets
+    hits = np.array([0] * 45 + [1] * 10 + [2] * 20 + [7] * 25)
+    base = -np.arange(100, dtype=float)
+    rows = recall_buckets(hits, base, base + 1.0)
+    ranges = [tuple(r["recall_range"]) for r in rows]
+    assert ranges == [(0, 0), (1, 2), (7, 7)], ranges
+    assert sum(r["tokens"] for r in rows) == 100
+    assert rows[0]["base_logprob"] == pytest.approx(base[:45].mean())
+    assert all(r["absolute_improvement"] == pytest.approx(1.0) for r in rows)
+    spread = recall_buckets(np.arange(100), base, base, n_buckets=5)
+    assert [r["tokens"] for r in spread] == [20] * 5

@@ -27,7 +27,9 @@ def test_results_json_has_the_promised_fields(results):
     assert {"k", "lambda", "temperature", "similarity", "key"} <= set(results["hparams"]["knn"])
     assert {"base_lm", "features", "index[final]", "neighbors[final]", "gnn"} <= set(
         results["timing_s"])
-    assert len(results["knn_recall_buckets"]) == 5
+    buckets = results["knn_recall_buckets"]
+    assert 2 <= len(buckets) <= 5 and sum(b["tokens"] for b in buckets) == results["tokens"]
+    assert all(a["recall_range"][1] < b["recall_range"][0] for a, b in zip(buckets, buckets[1:]))
 
 
 def test_base_lm_is_far_below_unigram_on_the_same_tokens(workdir):
