@@ -344,9 +344,9 @@ def fit(cache: Any, ks: Sequence[int], temperatures: Sequence[float],
     ``{"k", "temperature", "lambda", "ppl", "base_ppl", "grid"}`` (grid as from ``sweep``)."""
     _, arrays = _as_cache(cache)
     grid = sweep(arrays, ks, temperatures, lambdas)
-    i, j, l = np.unravel_index(int(np.argmin(grid)), grid.shape)
+    i, j, n = np.unravel_index(int(np.argmin(grid)), grid.shape)
     lm = arrays["lm_logprob"]
-    return {"k": int(ks[i]), "temperature": float(temperatures[j]), "lambda": float(lambdas[l]),
-            "ppl": float(grid[i, j, l]),
+    return {"k": int(ks[i]), "temperature": float(temperatures[j]), "lambda": float(lambdas[n]),
+            "ppl": float(grid[i, j, n]),
             "base_ppl": perplexity_of(float(np.sum(lm, dtype=np.float64)), len(lm)),
             "grid": grid}

@@ -25,8 +25,14 @@ from gnnlm.ablations import AblationStage, memory_rows, run_ablations
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.datastore import build_all_features, features_dir
 from gnnlm.index import IndexConfig, build_index, index_dir
-from gnnlm.knn import (build_knn_cache, check_lambda, check_temperature, fit, interpolate,
-                       knn_lm_logprob)
+from gnnlm.knn import (
+    build_knn_cache,
+    check_lambda,
+    check_temperature,
+    fit,
+    interpolate,
+    knn_lm_logprob,
+)
 from gnnlm.models import BaseLM, load_base_lm
 from gnnlm.neighbors import NeighborsConfig, build_neighbors, neighbors_dir
 from gnnlm.pq import PQConfig, build_pq

@@ -110,10 +110,10 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
     t0 = time.perf_counter()
     grid = sweep(valid, ks, temperatures, lambdas)                     # [nk, nT, nλ]
     seconds = time.perf_counter() - t0
-    i, j, l = np.unravel_index(int(np.argmin(grid)), grid.shape)
-    best = {"k": ks[i], "temperature": temperatures[j], "lambda": lambdas[l]}
+    i, j, n = np.unravel_index(int(np.argmin(grid)), grid.shape)
+    best = {"k": ks[i], "temperature": temperatures[j], "lambda": lambdas[n]}
     result = {
-        **best, "valid_ppl": float(grid[i, j, l]),
+        **best, "valid_ppl": float(grid[i, j, n]),
         "test_ppl": evaluate(test, best["k"], best["temperature"], best["lambda"]),
         "base_valid_ppl": _base_ppl(valid), "base_test_ppl": _base_ppl(test),
         "points": int(grid.size), "valid_tokens": int(len(valid["lm_logprob"])),
@@ -128,7 +128,7 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
     # not help at all).
     result["on_grid_edge"] = [name for name, values, idx in
                               (("k", ks, i), ("temperature", temperatures, j),
-                               ("lambda", lambdas, l))
+                               ("lambda", lambdas, n))
                               if len(values) > 1 and idx in (0, len(values) - 1)]
 
     rows = [[ks[a], temperatures[b], lambdas[c], float(grid[a, b, c])]
@@ -138,7 +138,7 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
         writer.writerow(["k", "temperature", "lambda", "valid_ppl"])
         writer.writerows(rows)
     heatmap = out_dir / "sweep_heatmap.png"
-    _write_heatmap(heatmap, grid[i], temperatures, lambdas, ks[i], (j, l))
+    _write_heatmap(heatmap, grid[i], temperatures, lambdas, ks[i], (j, n))
     cache = result["cache"]
     (out_dir / "sweep.md").write_text(
         f"# kNN-LM sweep\n\n"
