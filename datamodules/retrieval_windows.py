@@ -65,8 +65,8 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
         # the model loads this LM and checks its weights against the datastore's fingerprint
         self.base_lm = base_lm_path or self._recorded_base_lm(train["inputs"]["base_lm"])
         self.base_lm_fingerprint = train["inputs"]["base_lm_fingerprint"]
-        self.context, self.stride = (self.manifests["valid"]["config"][k]
-                                     for k in ("context", "stride"))
+        self.context, self.stride = (self.manifests["valid"]["config"][name]
+                                     for name in ("context", "stride"))
 
     def _recorded_base_lm(self, name: str) -> str:
         """The features record ``gpt:<checkpoint path>`` (relative to where the pipeline ran) or
