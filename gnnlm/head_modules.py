@@ -27,7 +27,7 @@ class GateHistogram:
             self.gate_histogram += torch.histc(scored, bins=20, min=0, max=1).long()
 
     def on_predict_epoch_start(self) -> None:
-        self.gate_histogram.zero_()
+        self.gate_histogram = torch.zeros(20, dtype=torch.long)  # of the last predict run
 
 
 class SpalmLM(GateHistogram, TokenLevelModule):
@@ -41,7 +41,6 @@ class SpalmLM(GateHistogram, TokenLevelModule):
         super().__init__()
         self.save_hyperparameters()
         self.head = SpalmGate(feature_dim, gate_bias)
-        self.gate_histogram = torch.zeros(20, dtype=torch.long)  # of the last predict run
 
     def forward(self, batch: dict, force_gate: float | None = None):
         weight, bias = self.output_embedding()
@@ -79,15 +78,14 @@ class SpalmFinetuneLM(GateHistogram, TokenLevelModule):
             raise ValueError(f"The base LM at {base_lm} (weights {self.lm.fingerprint()}) is not "
                              f"the one the datastore was built with ({base_lm_fingerprint}): "
                              f"its neighbours and features belong to another model.")
-        for name, size in (("vocab_size", vocab_size), ("feature_dim", feature_dim)):
-            expected = self.lm.vocab_size if name == "vocab_size" else self.lm.hidden_size
+        for name, size, expected in (("vocab_size", vocab_size, self.lm.vocab_size),
+                                     ("feature_dim", feature_dim, self.lm.hidden_size)):
             if size and size != expected:
                 raise ValueError(f"The data has {name}={size} but the base LM {base_lm} has "
                                  f"{expected}.")
         for module in self.lm.last_block():
             module.requires_grad_(True)
         self.head = SpalmGate(self.lm.hidden_size, gate_bias)
-        self.gate_histogram = torch.zeros(20, dtype=torch.long)
 
     def train(self, mode: bool = True):
         """The frozen layers stay in eval mode (no dropout): the last block reads the same

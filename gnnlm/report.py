@@ -44,14 +44,11 @@ def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
     order = np.argsort(hits_count, kind="stable")
     sorted_hits = hits_count[order]
     n = len(order)
-    cuts = [0]
-    for i in range(1, n_buckets):
-        cut = max(int(round(i * n / n_buckets)), cuts[-1])
-        # first index at or after ``cut`` whose recall differs from the one before it
-        cut = int(np.searchsorted(sorted_hits, sorted_hits[cut - 1], side="right")) if cut else 0
-        if cuts[-1] < cut < n:
-            cuts.append(cut)
-    cuts.append(n)
+    equal_count = np.rint(np.arange(1, n_buckets) * n / n_buckets).astype(np.int64)
+    equal_count = equal_count[equal_count > 0]
+    # each cut moves up to the first index whose recall differs from the one before it
+    moved = np.searchsorted(sorted_hits, sorted_hits[equal_count - 1], side="right")
+    cuts = np.unique(np.concatenate([[0], moved[moved < n], [n]]))
     rows = []
     for start, stop in zip(cuts[:-1], cuts[1:]):
         part = order[start:stop]
