@@ -1,13 +1,12 @@
 """LightningDataModule over frozen features, for heads that read one position at a time
 (SPALM's gate, learned W_ds): each item is a block of consecutive positions of a split with
-their feature ``h`` (of ``key``), target, and — when ``neighbors`` is set — the values (next
-tokens) of their top-k retrieved train positions (-1 = none; train queries were masked for
-leakage when the neighbours were built). Blocks partition each split, so evaluation scores every
-token once, the same tokens as every other row of a report.
+their feature ``h`` (of ``key``), target, and — when ``retrieved > 0`` — the values (next tokens)
+of their first ``retrieved`` neighbours among the train ``key`` keys under ``metric`` (-1 = none;
+train queries were masked for leakage when the neighbours were built). Blocks partition each
+split, so evaluation scores every token once, the same tokens as every other row of a report.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -16,25 +15,22 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.datastore import (
-    check_key,
-    features_dir,
-    load_output_embedding,
-    open_features,
-)
+from gnnlm.datastore import check_key, load_output_embedding, open_features
+from gnnlm.neighbors import neighbor_values
+from gnnlm.workdir import Workdir
 
 
 class NeighborValues:
-    """The values (next tokens) of the top-k retrieved train positions of a split's positions,
-    read from ``<workdir>/neighbors/<neighbors>/<split>`` (-1 where fewer than k were found)."""
+    """The values (next tokens) of the first ``k`` retrieved train positions of a split's
+    positions, read from ``workdir.neighbors(key, metric, split)`` (-1 where fewer were found)."""
 
-    def __init__(self, workdir: Path, neighbors: str, split: str, k: int):
-        self.workdir, self.k = Path(workdir), k
-        self.dir = self.workdir / "neighbors" / neighbors / split
+    def __init__(self, workdir: Workdir, key: str, metric: str, split: str, k: int):
+        self.workdir, self.k = workdir, k
+        self.dir = workdir.neighbors(key, metric, split)
         manifest = read_manifest(self.dir, kind="neighbors")
-        if manifest["K"] < k:
-            raise ValueError(f"k={k} neighbours asked for but {self.dir} holds only "
-                             f"K={manifest['K']}.")
+        if not 1 <= k <= manifest["K"]:
+            raise ValueError(f"retrieved={k} neighbour values asked for, but {self.dir} holds "
+                             f"K={manifest['K']} per position: choose 1 <= retrieved <= K.")
         self.n = manifest["n"]  # positions covered (train neighbours may cover only a prefix)
         self._arrays = None  # memmaps open lazily in each worker
 
@@ -42,59 +38,57 @@ class NeighborValues:
         """``positions``: a slice or an index array of the split → values ``[..., k]`` int64."""
         if self._arrays is None:
             self._arrays = (open_array(self.dir, "ids"),
-                            open_features(features_dir(self.workdir, "train"))[1]["targets"])
-        ids, values = self._arrays
-        nbr = np.asarray(ids[positions, : self.k], dtype=np.int64)
-        return torch.from_numpy(np.where(nbr >= 0, values[np.maximum(nbr, 0)], -1)
-                                .astype(np.int64))
+                            open_features(self.workdir.features("train"))[1]["targets"])
+        ids, targets = self._arrays
+        return torch.from_numpy(neighbor_values(ids[positions, : self.k], targets))
 
 
 class FeatureBlocks(Dataset):
-    def __init__(self, workdir: Path, split: str, key: str, neighbors: Optional[str], k: int,
-                 block_size: int, max_tokens: Optional[int] = None):
-        self.workdir, self.split, self.key = workdir, split, key
-        self.neighbors, self.k, self.block_size = neighbors, k, block_size
-        manifest = read_manifest(features_dir(workdir, split), kind="features")
+    def __init__(self, workdir: Workdir, split: str, key: str, block_size: int,
+                 values: Optional[NeighborValues] = None, max_tokens: Optional[int] = None):
+        self.workdir, self.split, self.key, self.block_size = workdir, split, key, block_size
+        manifest = workdir.features_manifest(split)
         check_key(manifest, key)
-        n = manifest["n"]
-        self.nbr_values = NeighborValues(workdir, neighbors, split, k) if neighbors else None
-        if self.nbr_values is not None:
-            n = self.nbr_values.n  # train neighbours may cover only a prefix
+        self.values = values
+        n = manifest["n"] if values is None else values.n  # train neighbours: maybe a prefix
         self.n = n if max_tokens is None else min(n, max_tokens)
+        if self.n == 0:
+            raise ValueError(f"Split {split!r} has no positions in {workdir.features(split)}.")
         self._arrays = None  # memmaps open lazily in each worker
-
-    def _open(self):
-        _, feats = open_features(features_dir(self.workdir, self.split))
-        self._arrays = (feats[self.key], feats["targets"])
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)
 
     def __getitem__(self, i: int) -> dict:
         if self._arrays is None:
-            self._open()
+            feats = open_features(self.workdir.features(self.split))[1]
+            self._arrays = (feats[self.key], feats["targets"])
         h, targets = self._arrays
         rows = slice(i * self.block_size, min((i + 1) * self.block_size, self.n))
         item = {"h": torch.from_numpy(np.asarray(h[rows], dtype=np.float32)),
                 "target": torch.from_numpy(np.asarray(targets[rows], dtype=np.int64)),
                 "positions": torch.arange(rows.start, rows.stop)}
-        if self.nbr_values is not None:
-            item["nbr_values"] = self.nbr_values(rows)
+        if self.values is not None:
+            item["nbr_values"] = self.values(rows)
         return item
 
 
 class FeatureDataModule(pl.LightningDataModule):
-    def __init__(self, workdir: str = "runs/wikitext2", key: str = "final",
-                 neighbors: Optional[str] = None, k: int = 4, block_size: int = 512,
-                 num_workers: int = 0, train_tokens: Optional[int] = None,
-                 eval_tokens: Optional[int] = None, predict_split: str = "test"):
-        """``neighbors`` names ``<workdir>/neighbors/<neighbors>/<split>`` (SPALM); ``block_size``
-        positions form one batch; ``train_tokens``/``eval_tokens`` keep split prefixes."""
+    def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
+                 retrieved: int = 0, block_size: int = 512, num_workers: int = 0,
+                 train_tokens: Optional[int] = None, eval_tokens: Optional[int] = None,
+                 predict_split: str = "test"):
+        """``key``: the feature each position carries (``final`` or ``att``). ``retrieved``: how
+        many retrieved next tokens each position carries (SPALM's K; 0 = none), from the
+        neighbours of ``key`` under ``metric``. ``block_size`` positions form one batch;
+        ``train_tokens``/``eval_tokens`` keep split prefixes."""
         super().__init__()
+        if retrieved < 0:
+            raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
         self.save_hyperparameters()
-        self.workdir = Path(workdir)
+        self.workdir = Workdir(workdir)
         try:
-            manifest = read_manifest(features_dir(workdir, "train"), kind="features")
+            manifest = self.workdir.features_manifest("train")
         except ArtifactError as err:
             raise ArtifactError(f"{err} Heads on frozen features read the artifacts of "
                                 f"`gnnlm pipeline`; run its retrieval stages first.") from err
@@ -105,7 +99,9 @@ class FeatureDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         hp = self.hparams
-        data = FeatureBlocks(self.workdir, split, hp.key, hp.neighbors, hp.k, hp.block_size,
+        values = (NeighborValues(self.workdir, hp.key, hp.metric, split, hp.retrieved)
+                  if hp.retrieved else None)
+        data = FeatureBlocks(self.workdir, split, hp.key, hp.block_size, values,
                              hp.train_tokens if split == "train" else hp.eval_tokens)
         return DataLoader(data, batch_size=None, shuffle=train, num_workers=hp.num_workers)
 

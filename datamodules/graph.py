@@ -4,7 +4,8 @@ One sample = a block of ``block_size`` consecutive target tokens of a split (GNN
 block's tokens become ``ctx`` nodes with their frozen base-LM features; each token's top-k
 retrieved train positions, widened to windows p−l … p+r, become ``nbr`` nodes with train features
 (PQ-decoded or raw float16). Graphs are built in DataLoader workers from the artifacts of
-``gnnlm pipeline`` (features, neighbours, PQ codes) under ``workdir``.
+``gnnlm pipeline`` under ``workdir``: the ``key`` features, their neighbours under ``metric``, and
+the PQ codes of the ``key`` features.
 
 Train graphs drop every neighbour-window node within the leakage window of its query
 (``|q − t| < W``), so no node has seen the target. Blocks partition each split, so evaluation
@@ -12,12 +13,12 @@ scores every token exactly once, the same tokens as the base LM and kNN-LM.
 
 The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger k) is
 ``k_schedule``: ``[[0, 8], [2, 16]]`` uses k=8 from epoch 0 and k=16 from epoch 2; it needs
-``reload_dataloaders_every_n_epochs: 1``. Evaluation always uses the last (largest) k.
+``reload_dataloaders_every_n_epochs: 1``. Evaluation uses ``graph.k``, which must be the
+schedule's last k.
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Literal, Optional
 
 import numpy as np
@@ -28,22 +29,23 @@ from torch_geometric.data import HeteroData
 from torch_geometric.loader import DataLoader
 
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.datastore import features_dir, load_output_embedding, open_features
+from gnnlm.datastore import load_output_embedding, open_features
 from gnnlm.graph import GraphConfig, build_graph
 from gnnlm.pq import PQFeatures, RawFeatures
+from gnnlm.workdir import Workdir
 
 
 class GraphBlocks(Dataset):
     """Block i of a split → one HeteroData with node features ``x`` and ``ctx`` targets ``y``."""
 
-    def __init__(self, workdir: Path, split: str, neighbors: str, key: str, node_features,
+    def __init__(self, workdir: Workdir, split: str, key: str, metric: str, node_features,
                  block_size: int, graph: GraphConfig, exclude_radius: int,
                  max_tokens: Optional[int] = None):
-        self.workdir, self.split, self.neighbors_name, self.key = workdir, split, neighbors, key
+        self.workdir, self.split, self.key = workdir, split, key
         self.node_features, self.block_size, self.graph = node_features, block_size, graph
         self.exclude_radius = exclude_radius
-        self.n_train = read_manifest(features_dir(workdir, "train"))["n"]
-        self.nbr_dir = workdir / "neighbors" / neighbors / split
+        self.n_train = workdir.n_positions("train")
+        self.nbr_dir = workdir.neighbors(key, metric, split)
         nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
         if nbr_manifest["K"] < graph.k:
             raise ValueError(f"The graph keeps k={graph.k} neighbours per token but "
@@ -56,7 +58,7 @@ class GraphBlocks(Dataset):
         self._arrays = None  # memmaps are opened lazily in each worker
 
     def _open(self):
-        _, feats = open_features(features_dir(self.workdir, self.split))
+        _, feats = open_features(self.workdir.features(self.split))
         self._arrays = (feats[self.key], feats["targets"], open_array(self.nbr_dir, "ids"))
 
     def __len__(self) -> int:
@@ -76,24 +78,30 @@ class GraphBlocks(Dataset):
 
 
 class GraphDataModule(pl.LightningDataModule):
-    def __init__(self, workdir: str = "runs/wikitext2", neighbors: str = "final-cos",
-                 key: str = "final", node_features: Literal["pq", "raw"] = "pq",
+    def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
+                 node_features: Literal["pq", "raw"] = "pq",
                  block_size: int = 64, graph: GraphConfig = GraphConfig(),
                  k_schedule: Optional[list[tuple[int, int]]] = None,
                  leakage_window: Optional[int] = None, batch_size: int = 4,
                  eval_batch_size: int = 8, num_workers: int = 2,
                  train_tokens: Optional[int] = None, eval_tokens: Optional[int] = None,
                  predict_split: str = "test"):
-        """``neighbors`` names the folder ``<workdir>/neighbors/<neighbors>/<split>``; ``key`` is
-        the node feature (GNN-LM uses ``final``). ``leakage_window`` defaults to the one the
-        neighbour files were masked with. ``train_tokens``/``eval_tokens`` keep split prefixes."""
+        """``key`` is the node feature and the retrieval key (GNN-LM uses ``final``), ``metric``
+        the similarity its neighbours were searched with. ``leakage_window`` defaults to the one
+        the neighbour files were masked with. ``train_tokens``/``eval_tokens`` keep split
+        prefixes."""
         super().__init__()
         self.save_hyperparameters()
         self.graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
-        self.workdir = Path(workdir)
+        if k_schedule:
+            schedule = sorted(tuple(s) for s in k_schedule)
+            if schedule[0][0] != 0 or schedule[-1][1] != self.graph.k:
+                raise ValueError(f"k_schedule must start at epoch 0 and end with graph.k = "
+                                 f"{self.graph.k}, the k evaluation uses (got {k_schedule}).")
+        self.workdir = Workdir(workdir)
         try:
-            train_manifest = read_manifest(features_dir(workdir, "train"), kind="features")
-            self.train_neighbors = read_manifest(self.workdir / "neighbors" / neighbors / "train",
+            train_manifest = self.workdir.features_manifest("train")
+            self.train_neighbors = read_manifest(self.workdir.neighbors(key, metric, "train"),
                                                  kind="neighbors")
         except ArtifactError as err:
             raise ArtifactError(f"{err} The graph data module reads the artifacts of "
@@ -107,17 +115,16 @@ class GraphDataModule(pl.LightningDataModule):
         return load_output_embedding(self.workdir)
 
     def node_features(self):
-        train_dir = features_dir(self.workdir, "train")
         if self.hparams.node_features == "pq":
-            return PQFeatures(self.workdir / "pq" / self.hparams.key)
-        return RawFeatures(train_dir, self.hparams.key)
+            return PQFeatures(self.workdir.pq(self.hparams.key))
+        return RawFeatures(self.workdir.features("train"), self.hparams.key)
 
     def current_k(self, epoch: Optional[int]) -> int:
-        """k for a training epoch (the schedule's last k when ``epoch`` is None: evaluation)."""
-        schedule = sorted(tuple(s) for s in self.hparams.k_schedule or [(0, self.graph.k)])
-        if epoch is None:
-            return schedule[-1][1]
-        return max((s for s in schedule if s[0] <= epoch), default=schedule[0])[1]
+        """K for a training epoch (``graph.k`` when ``epoch`` is None: evaluation)."""
+        if epoch is None or not self.hparams.k_schedule:
+            return self.graph.k
+        schedule = sorted(tuple(s) for s in self.hparams.k_schedule)
+        return max(s for s in schedule if s[0] <= epoch)[1]
 
     @property
     def leakage_window(self) -> int:
@@ -128,7 +135,7 @@ class GraphDataModule(pl.LightningDataModule):
         hp = self.hparams
         graph = dataclasses.replace(self.graph, k=k or self.current_k(None))
         limit = hp.train_tokens if split == "train" else hp.eval_tokens
-        return GraphBlocks(self.workdir, split, hp.neighbors, hp.key, self.node_features(),
+        return GraphBlocks(self.workdir, split, hp.key, hp.metric, self.node_features(),
                            hp.block_size, graph,
                            self.leakage_window if split == "train" else 0, limit)
 

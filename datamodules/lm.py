@@ -12,7 +12,6 @@ how ``vocab_size`` is known in time to be linked into the model.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from gnnlm.encode import protocol, sliding_windows, stream_tensor
 from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
+from gnnlm.workdir import Workdir
 
 
 class Blocks(Dataset):
@@ -109,7 +109,7 @@ class LMDataModule(pl.LightningDataModule):
         also for a memory model evaluated with its memory switched off)."""
         super().__init__()
         self.save_hyperparameters()
-        self.store: TokenStore = build_tokens(Path(workdir) / "tokens", corpus, corpus_path,
+        self.store: TokenStore = build_tokens(Workdir(workdir).tokens, corpus, corpus_path,
                                               data_dir, tokenizer)
         self.vocab_size = self.store.vocab_size
 

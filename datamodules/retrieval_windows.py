@@ -10,7 +10,6 @@ windows (context C, stride S), so each position is scored once with the context 
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -20,8 +19,9 @@ from torch.utils.data import DataLoader, Dataset
 from datamodules.features import NeighborValues
 from datamodules.lm import Blocks, SlidingWindows
 from gnnlm.artifacts import ArtifactError, read_manifest
-from gnnlm.datastore import features_dir, open_features
+from gnnlm.datastore import open_features
 from gnnlm.encode import protocol, stream_tensor
+from gnnlm.workdir import SPLITS, Workdir
 
 
 class WithNeighborValues(Dataset):
@@ -40,21 +40,22 @@ class WithNeighborValues(Dataset):
 
 
 class RetrievalWindowsDataModule(pl.LightningDataModule):
-    def __init__(self, workdir: str = "runs/wikitext2", neighbors: str = "final-cos",
-                 k: int = 4, block_size: int = 128, batch_size: int = 16,
+    def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
+                 retrieved: int = 4, block_size: int = 128, batch_size: int = 16,
                  eval_batch_size: int = 32, train_tokens: Optional[int] = None,
                  num_workers: int = 0, base_lm_path: Optional[str] = None,
                  predict_split: str = "test"):
-        """``neighbors`` names ``<workdir>/neighbors/<neighbors>``; ``train_tokens`` keeps a train
-        prefix (at most what the train neighbours cover); ``base_lm_path`` overrides where the base
-        LM the features record is loaded from (a ``gnnlm fit`` checkpoint or ``hf:<name>``)."""
+        """``retrieved``: how many retrieved next tokens each position carries (SPALM's K), from
+        the neighbours of the ``key`` features under ``metric``; ``train_tokens`` keeps a train
+        prefix (at most what the train neighbours cover); ``base_lm_path`` overrides where the
+        base LM the features record is loaded from (a ``gnnlm fit`` checkpoint or
+        ``hf:<name>``)."""
         super().__init__()
         self.save_hyperparameters()
-        self.workdir = Path(workdir)
+        self.workdir = Workdir(workdir)
         try:
-            self.manifests = {s: read_manifest(features_dir(workdir, s), kind="features")
-                              for s in ("train", "valid", "test")}
-            tokens = read_manifest(self.workdir / "tokens", kind="tokens")
+            self.manifests = {s: self.workdir.features_manifest(s) for s in SPLITS}
+            tokens = read_manifest(self.workdir.tokens, kind="tokens")
         except ArtifactError as err:
             raise ArtifactError(f"{err} This data module reads the artifacts of `gnnlm pipeline` "
                                 f"(tokens, features, neighbours); run its retrieval stages "
@@ -63,29 +64,30 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
         self.vocab_size, self.feature_dim = train["vocab_size"], train["dim"]
         self.bos_id = tokens["bos_id"]
         # the model loads this LM and checks its weights against the datastore's fingerprint
-        self.base_lm = base_lm_path or self._recorded_base_lm(train["inputs"]["base_lm"])
-        self.base_lm_fingerprint = train["inputs"]["base_lm_fingerprint"]
+        self.base_lm = base_lm_path or self._recorded_base_lm(train["base_lm"])
+        self.base_lm_fingerprint = train["base_lm"]["fingerprint"]
         self.context, self.stride = (self.manifests["valid"]["config"][name]
                                      for name in ("context", "stride"))
 
-    def _recorded_base_lm(self, name: str) -> str:
-        """The features record ``gpt:<checkpoint path>`` (relative to where the pipeline ran) or
-        ``hf:<name>``; a pipeline-trained LM is also found inside the work directory. The model
-        checks the weights' fingerprint against the datastore's either way."""
-        if not name.startswith("gpt:"):
-            return name
-        recorded, own = Path(name.removeprefix("gpt:")), self.workdir / "heads/base_lm/model.ckpt"
-        return str(recorded if recorded.is_file() or not own.is_file() else own)
+    def _recorded_base_lm(self, identity: dict) -> str:
+        """Where the features say their base LM is: ``hf:<name>``, or a checkpoint path relative
+        to the work directory (so the directory can move)."""
+        location = identity.get("location")
+        if not location:
+            raise ArtifactError(f"The features in {self.workdir.features('train')} do not record "
+                                f"where their base LM is: pass base_lm_path.")
+        return location if location.startswith("hf:") else str(self.workdir.resolve(location))
 
     @property
     def protocol(self) -> str:
         return protocol(self.context, self.stride)
 
     def _values(self, split: str) -> NeighborValues:
-        return NeighborValues(self.workdir, self.hparams.neighbors, split, self.hparams.k)
+        hp = self.hparams
+        return NeighborValues(self.workdir, hp.key, hp.metric, split, hp.retrieved)
 
     def _stream(self, split: str, n: int):
-        targets = open_features(features_dir(self.workdir, split))[1]["targets"]
+        targets = open_features(self.workdir.features(split))[1]["targets"]
         return stream_tensor(np.asarray(targets[:n]), self.bos_id)
 
     def train_dataloader(self) -> DataLoader:

@@ -12,26 +12,30 @@ whole datastore costs N_train per query), with (k, T, λ) fitted on the valid pr
   train positions.
 
 The learned-W_ds rows (§4.1–4.2) are heads trained by the pipeline; the Transformer-XL memory
-rows (SPALM's short-term memory) evaluate a memory LM with and without its memory.
+rows (SPALM's short-term memory) evaluate a memory LM with and without its memory
+(``gnnlm.runner.memory_rows``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from gnnlm.artifacts import open_array
-from gnnlm.datastore import features_dir, open_features
-from gnnlm.index import exact_search
-from gnnlm.knn import fit, knn_lm_logprob, similarity
+from gnnlm.datastore import open_features
+from gnnlm.devices import check_device
+from gnnlm.knn import fit_and_score
+from gnnlm.knn_cache import open_knn_cache
 from gnnlm.metrics import ppl_from_logprobs
+from gnnlm.neighbors import neighbor_hits, open_neighbors
+from gnnlm.search import exact_search, rescore
+from gnnlm.workdir import EVAL_SPLITS, Workdir
 
 
 @dataclass
 class AblationStage:
-    """``enabled`` turns the ablation table on; ``memory_lm`` (a ``gnnlm fit`` YAML of a
+    """``enabled`` turns the ablation table on; ``memory_lm`` (``gnnlm fit`` YAMLs of a
     Transformer-XL base LM) adds the memory on/off rows."""
     enabled: bool = False
     eval_tokens: Optional[int] = 5000
@@ -42,28 +46,29 @@ class AblationStage:
         default_factory=lambda: [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0])
     seed: int = 0
     device: str = "auto"
-    memory_lm: Optional[str] = None
+    memory_lm: Union[str, list[str], None] = None
+
+    def __post_init__(self):
+        check_device(self.device)
+        if any(not 0 < f <= 1 for f in self.subsample):
+            raise ValueError(f"ablations.subsample fractions must lie in (0, 1] "
+                             f"(got {self.subsample}).")
 
 
 def _prefix(n: int, eval_tokens: Optional[int]) -> int:
     return n if eval_tokens is None else min(n, eval_tokens)
 
 
-def _hits(ids: np.ndarray, train_targets: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    values = np.where(ids >= 0, train_targets[np.maximum(ids, 0)], -1)   # [n, K]
-    return values == targets[:, None]
-
-
 class Evaluator:
     """Shared inputs of the ablations: the valid/test prefixes, the train datastore, the grid."""
 
-    def __init__(self, workdir: Path, key: str, stage: AblationStage, grid: tuple, K: int):
+    def __init__(self, workdir: Workdir, key: str, stage: AblationStage, grid: tuple, K: int):
         self.workdir, self.key, self.stage, self.grid, self.K = workdir, key, stage, grid, K
-        _, self.train = open_features(features_dir(workdir, "train"))
+        _, self.train = open_features(workdir.features("train"))
         self.train_targets = np.asarray(self.train["targets"])
         self.splits = {}
-        for split in ("valid", "test"):
-            _, arrays = open_features(features_dir(workdir, split))
+        for split in EVAL_SPLITS:
+            _, arrays = open_features(workdir.features(split))
             n = _prefix(len(arrays["targets"]), stage.eval_tokens)
             self.splits[split] = {name: np.asarray(arrays[name][:n])
                                   for name in ("lm_logprob", "targets", "final", "att")}
@@ -74,77 +79,66 @@ class Evaluator:
     def score(self, caches: dict, grid: Optional[tuple] = None) -> dict:
         """Fit (k, T, λ) on the valid prefix (over ``grid``, default the pipeline's), report
         valid and test perplexity."""
-        ks, ts, ls = grid or self.grid
-        best = fit(caches["valid"], sorted({min(k, self.K) for k in ks}), ts, ls)
-        test = knn_lm_logprob(caches["test"], best["k"], best["temperature"], best["lambda"])
-        return {"k": int(best["k"]), "temperature": float(best["temperature"]),
-                "lambda": float(best["lambda"]), "valid_ppl": float(best["ppl"]),
-                "test_ppl": ppl_from_logprobs(test)}
+        result = fit_and_score(caches["valid"], caches["test"], *(grid or self.grid))
+        result.pop("test_logprob")
+        return result
 
     def cache(self, split: str, sims: np.ndarray, ids: np.ndarray) -> dict:
         s = self.splits[split]
         return {"lm_logprob": s["lm_logprob"], "sims": sims,
-                "hits": _hits(ids, self.train_targets, s["targets"])}
+                "hits": neighbor_hits(ids, self.train_targets, s["targets"])}
 
     def exact(self, metric: str, subset: Optional[np.ndarray] = None) -> dict:
         """Exact neighbours and scores (over ``subset`` train positions when given)."""
         keys = self.train[self.key]
         keys = keys if subset is None else keys[subset]
         caches = {}
-        for split in ("valid", "test"):
+        for split in EVAL_SPLITS:
             sims, ids = exact_search(keys, self.queries(split), self.K, metric,
-                                     device=_device(self.stage.device))
+                                     device=self.stage.device)
             if subset is not None:
                 ids = np.where(ids >= 0, subset[np.maximum(ids, 0)], -1)
             caches[split] = self.cache(split, sims, ids)
         return caches
 
-    def rescored(self, neighbor_dirs: dict, metric: str, chunk: int = 2048) -> dict:
+    def rescored(self, metric: str) -> dict:
         """The index's neighbours with their similarities recomputed exactly in float32."""
         caches = {}
-        for split, path in neighbor_dirs.items():
+        for split in EVAL_SPLITS:
             n = len(self.splits[split]["targets"])
-            ids = np.asarray(open_array(path, "ids")[:n]).astype(np.int64)          # [n, K]
-            sims = np.empty(ids.shape, dtype=np.float32)
-            queries = self.queries(split)
-            for r in range(0, n, chunk):  # [chunk, K, d] keys at a time
-                rows = ids[r: r + chunk]
-                keys = np.asarray(self.train[self.key][np.maximum(rows, 0).ravel()],
-                                  dtype=np.float32).reshape(*rows.shape, -1)
-                sims[r: r + chunk] = similarity(queries[r: r + chunk, None, :], keys, metric)
-            sims[ids < 0] = -np.inf
+            _, nb = open_neighbors(self.workdir.neighbors(self.key, metric, split))
+            ids = np.asarray(nb["ids"][:n]).astype(np.int64)                 # [n, K]
+            sims = rescore(self.queries(split), ids, self.train[self.key], metric)
             caches[split] = self.cache(split, sims, ids)
         return caches
 
 
-def _device(device: str) -> str:
-    import torch
-
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-
-
-def run_ablations(stage: AblationStage, workdir: Path, keys: list[str], metric: str,
-                  grid: tuple, cache_dirs: dict, neighbor_dirs: dict, out_dir: Path) -> dict:
-    """The ablation table and curves; ``cache_dirs[key][split]`` are the pipeline's kNN caches
-    (FAISS neighbours and scores) and ``neighbor_dirs[split]`` the first key's neighbours."""
-    from gnnlm.pipeline import load_cache
-
+def run_ablations(stage: AblationStage, workdir: Workdir, keys: list[str], metric: str,
+                  scores: str, grid: tuple, out_dir: Path) -> dict:
+    """The ablation table and curves from the pipeline's kNN caches (FAISS neighbours, ``scores``
+    scores) of ``keys`` under ``metric``; the first key is the one every other row uses."""
     primary = keys[0]
-    K = int(np.asarray(load_cache(cache_dirs[primary]["valid"])["sims"]).shape[1])
+
+    def cached(key: str) -> dict:
+        return {s: open_knn_cache(workdir.knn_cache(key, metric, scores, s))[1]
+                for s in EVAL_SPLITS}
+
+    K = int(cached(primary)["valid"]["sims"].shape[1])
     ev = Evaluator(workdir, primary, stage, grid, K)
     n = {s: len(ev.splits[s]["targets"]) for s in ev.splits}
 
     def sliced(key: str) -> dict:
-        return {s: {name: np.asarray(a[: n[s]]) for name, a in load_cache(p).items()}
-                for s, p in cache_dirs[key].items()}
+        return {s: {name: np.asarray(a[: n[s]]) for name, a in arrays.items()}
+                for s, arrays in cached(key).items()}
 
     rows = [{"row": "base LM", "test_ppl": ppl_from_logprobs(ev.splits["test"]["lm_logprob"]),
              "valid_ppl": ppl_from_logprobs(ev.splits["valid"]["lm_logprob"])}]
     for key in keys:  # Xu et al. Table 1: which representation is the key
-        rows.append({"row": f"kNN-LM, key {key}, {metric}, FAISS neighbours + FAISS scores",
+        rows.append({"row": f"kNN-LM, key {key}, {metric}, FAISS neighbours + "
+                            f"{'FAISS' if scores == 'faiss' else 'exact'} scores",
                      **ev.score(sliced(key))})
     rows.append({"row": f"kNN-LM, key {primary}, {metric}, FAISS neighbours + exact scores",
-                 **ev.score(ev.rescored(neighbor_dirs, metric))})
+                 **ev.score(ev.rescored(metric))})
     for m in stage.metrics:  # the similarity function, on exact neighbours
         m_grid = grid if m == "cos" else (grid[0], stage.unbounded_temperatures, grid[2])
         rows.append({"row": f"kNN-LM, key {primary}, {m}, exact neighbours + exact scores",
@@ -166,19 +160,20 @@ def run_ablations(stage: AblationStage, workdir: Path, keys: list[str], metric: 
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(out_dir / "temperature_curve.png", [r["temperature"] for r in temperature_curve],
           [r["test_ppl"] for r in temperature_curve], "temperature T", log_x=True,
-          base=rows[0]["test_ppl"])
+          base=rows[0]["test_ppl"], title="kNN-LM: test perplexity against T")
     _plot(out_dir / "datastore_subsampling.png", [r["fraction"] for r in subsample_curve],
           [r["test_ppl"] for r in subsample_curve], "fraction of the train datastore",
-          base=rows[0]["test_ppl"])
+          base=rows[0]["test_ppl"], title="kNN-LM: test perplexity against datastore size")
     return {"tokens": n, "key": primary, "rows": rows, "temperature_curve": temperature_curve,
             "subsample_curve": subsample_curve}
 
 
-def _plot(path: Path, x: list, y: list, xlabel: str, base: float, log_x: bool = False) -> None:
+def _plot(path: Path, x: list, y: list, xlabel: str, base: float, title: str,
+          log_x: bool = False) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5, 3.2))
+    fig = Figure(figsize=(5, 3.4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     ax.plot(x, y, marker="o", label="kNN-LM")
@@ -187,34 +182,7 @@ def _plot(path: Path, x: list, y: list, xlabel: str, base: float, log_x: bool = 
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test perplexity")
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def memory_rows(head_dir: Path, workdir: Path) -> list[dict]:
-    """Transformer-XL short-term memory on and off: the same memory LM on its test split, both
-    served as contiguous segments of parallel streams; the memory is carried, or dropped."""
-    import pytorch_lightning as pl
-
-    from datamodules.lm import LMDataModule
-    from gnnlm.lm_module import LanguageModel
-    from gnnlm.training import datamodule_args
-
-    ckpt = head_dir / "model.ckpt"
-    model = LanguageModel.load_from_checkpoint(ckpt, map_location="cpu")
-    data = LMDataModule(**{**datamodule_args(str(ckpt)), "workdir": str(workdir),
-                           "segments": True})
-    memory = model.memory_length
-    rows = []
-    for length in (memory, 0):
-        model.memory_length = model.model.memory_length = length
-        trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False)
-        (metrics,) = trainer.test(model, datamodule=data, verbose=False)
-        rows.append({"row": f"Transformer-XL base LM, memory "
-                            f"{f'M = {length}' if length else 'off'}",
-                     "test_ppl": float(metrics["test/ppl"]),
-                     "tokens": int(metrics["test/tokens"]),
-                     "segment": data.hparams.block_size})
-    return rows

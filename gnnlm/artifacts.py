@@ -16,10 +16,14 @@ import hashlib
 import json
 import os
 import shutil
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Literal, Optional
 
 import numpy as np
+
+from gnnlm.progress import say, track
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -67,8 +71,13 @@ def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
         hint = (f" An unfinished build is in {partial}; run the stage again to resume it."
                 if partial.exists() else " Run the stage that builds it first.")
         raise ArtifactError(f"No complete {kind or 'artifact'} at {path}.{hint}")
-    manifest = json.loads(manifest_path.read_text())
-    if not manifest.get("complete"):
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{manifest_path} is not valid JSON ({err.__class__.__name__} at "
+                            f"{getattr(err, 'pos', '?')}): the file is corrupt. Delete {path} "
+                            f"and run the stage again, or rerun with --rebuild.") from None
+    if not isinstance(manifest, dict) or not manifest.get("complete"):
         raise ArtifactError(f"{path} is marked incomplete; rebuild it.")
     if kind is not None and manifest.get("kind") != kind:
         raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}.")
@@ -80,7 +89,7 @@ def _array_nbytes(spec: dict) -> int:
 
 
 def open_array(path: str | os.PathLike, name: str, manifest: dict | None = None,
-               mode: str = "r") -> np.memmap:
+               mode: Literal["r", "r+", "c"] = "r") -> np.ndarray:
     """Open array ``name`` of a complete artifact as a memmap with the manifest's dtype/shape."""
     path = Path(path)
     manifest = manifest or read_manifest(path)
@@ -97,12 +106,46 @@ def open_array(path: str | os.PathLike, name: str, manifest: dict | None = None,
             f"= {expected} bytes: the file is truncated or was replaced. Rebuild this stage.")
     if expected == 0:
         return np.zeros(spec["shape"], dtype=spec["dtype"])  # np.memmap refuses empty files
-    return np.memmap(file, dtype=spec["dtype"], mode=mode, shape=tuple(spec["shape"]))
+    return np.memmap(file, dtype=np.dtype(spec["dtype"]), mode=mode, shape=tuple(spec["shape"]))
 
 
-def describe_inputs(manifest: dict) -> str:
-    inputs = manifest.get("inputs") or {}
-    return ", ".join(f"{k}={v}" for k, v in sorted(inputs.items())) or "no recorded inputs"
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out or {prefix.rstrip("."): {}}
+    return {prefix.rstrip("."): obj}
+
+
+def differences(found: dict, asked: dict) -> list[str]:
+    """``"field: found → asked"`` for every leaf that differs between two nested dicts."""
+    a, b = _flatten(found), _flatten(asked)
+    missing = object()
+    out = []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, missing), b.get(key, missing)
+        if canonical_json(old if old is not missing else None) != canonical_json(
+                new if new is not missing else None):
+            show = lambda v: "(none)" if v is missing else json.dumps(v, default=str)  # noqa: E731
+            out.append(f"{key}: {show(old)} → {show(new)}")
+    return out
+
+
+def check_inputs(manifest: dict, path: str | os.PathLike, expected: dict[str, Any],
+                 fix: str) -> None:
+    """Refuse an input artifact whose recorded ``inputs`` differ from ``expected``.
+
+    ``expected`` maps input names to the fingerprints this stage is about to pair the artifact
+    with (e.g. the neighbours must have been searched for these very features). ``fix`` says
+    what to do about it.
+    """
+    recorded = manifest.get("inputs") or {}
+    wrong = [f"{name}: {recorded.get(name)} → {value}" for name, value in expected.items()
+             if recorded.get(name) != value]
+    if wrong:
+        raise ArtifactError(f"{path} was made from other inputs than this stage pairs it with "
+                            f"({'; '.join(wrong)}). {fix}")
 
 
 class ArtifactBuilder:
@@ -131,8 +174,10 @@ class ArtifactBuilder:
         self.rebuild = rebuild
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.arrays: dict[str, dict] = {}
-        self._memmaps: dict[str, np.memmap] = {}
+        self._memmaps: dict[str, Any] = {}
         self.progress: dict = {}
+        self.interrupted = False
+        self.t0 = time.perf_counter()
 
     # -- checks -----------------------------------------------------------------------------
     def is_complete(self) -> bool:
@@ -143,25 +188,30 @@ class ArtifactBuilder:
                                     f"choose another work directory.")
             return False
         found = read_manifest(self.path)
-        if found.get("fingerprint") == self.fingerprint:
+        if found.get("fingerprint") == self.fingerprint and not self.rebuild:
+            say(f"[gnnlm] {self.kind} {self.path}: skipped (complete)")
             return True
         if self.rebuild:
             shutil.rmtree(self.path)
             return False
+        changed = differences({"config": found.get("config"), "inputs": found.get("inputs")},
+                              {"config": self.config, "inputs": self.inputs})
         raise ArtifactError(
-            f"{self.path} holds a {found.get('kind')} built from other inputs "
-            f"({describe_inputs(found)}; config {canonical_json(found.get('config'))}) than this "
-            f"run asks for ({', '.join(f'{k}={v}' for k, v in sorted(self.inputs.items()))}; "
-            f"config {canonical_json(self.config)}). Use another work directory, delete the "
-            f"folder, or rebuild it (rebuild: true / --rebuild).")
+            f"{self.path} holds a {found.get('kind')} made with other settings than this run "
+            f"asks for: {'; '.join(changed) or 'the fingerprints differ'}. Use another work "
+            f"directory, delete the folder, or rerun with --rebuild.")
 
     # -- building ---------------------------------------------------------------------------
-    def __enter__(self) -> "ArtifactBuilder":
+    def __enter__(self) -> ArtifactBuilder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         progress_file = self.partial / PROGRESS
+        self.t0 = time.perf_counter()
         if self.partial.exists():
-            state = json.loads(progress_file.read_text()) if progress_file.exists() else {}
-            if state.get("fingerprint") != self.fingerprint:
+            try:
+                state = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+            except json.JSONDecodeError:
+                state = {}  # progress written while the disk filled up: start over
+            if state.get("fingerprint") != self.fingerprint or self.rebuild:
                 shutil.rmtree(self.partial)  # an unfinished build of something else: start over
             else:
                 self.progress = state.get("progress", {})
@@ -197,6 +247,23 @@ class ArtifactBuilder:
         self._write_progress()
         return mm
 
+    def chunks(self, n_chunks: int, desc: str, stop_after: Optional[int] = None,
+               **state: Any) -> Iterator[int]:
+        """The resumable chunk loop: yields the chunks not done yet, in order, with progress.
+
+        After the caller's body for chunk c returns, every open array is flushed and
+        ``chunks_done = c + 1`` is recorded together with ``builder.progress`` (update it with
+        any running totals inside the body). A killed build resumes at the next chunk, and since
+        chunk boundaries are fixed, ends with the same bytes. ``stop_after`` stops after that
+        many chunks of this run and sets ``interrupted`` (used to test resumption).
+        """
+        done = int(self.progress.get("chunks_done", 0))
+        for chunk in track(n_chunks, desc, initial=done, stop_after=stop_after):
+            yield chunk
+            self.save_progress(chunks_done=chunk + 1)
+        if int(self.progress.get("chunks_done", 0)) < n_chunks:
+            self.interrupted = True
+
     def file(self, name: str) -> Path:
         """Path of a non-array file inside the partial folder."""
         return self.partial / name
@@ -231,4 +298,5 @@ class ArtifactBuilder:
         if self.path.exists():
             shutil.rmtree(self.path)
         os.replace(self.partial, self.path)
+        say(f"[gnnlm] {self.kind} {self.path}: built in {time.perf_counter() - self.t0:.1f} s")
         return manifest

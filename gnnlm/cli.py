@@ -1,10 +1,10 @@
 """The ``gnnlm`` command: LightningCLI for fit/validate/test, plus the pipeline commands.
 
-    gnnlm fit -c configs/wikitext2/base_lm_cpu.yaml          # train a model (LightningCLI)
-    gnnlm test -c configs/wikitext2/base_lm_cpu.yaml --ckpt_path PATH
-    gnnlm pipeline -c configs/wikitext2/pipeline_cpu.yaml    # every stage, cached, then the table
-    gnnlm sweep -c configs/wikitext2/pipeline_cpu.yaml       # λ × T × k from cached scores
-    gnnlm explain -c configs/wikitext2/pipeline_cpu.yaml --text "..."   # retrieved contexts
+gnnlm fit -c configs/wikitext2/base_lm_cpu.yaml          # train a model (LightningCLI)
+gnnlm test -c configs/wikitext2/base_lm_cpu.yaml --ckpt_path PATH
+gnnlm pipeline -c configs/wikitext2/pipeline_cpu.yaml    # every stage, cached, then the table
+gnnlm sweep -c configs/wikitext2/pipeline_cpu.yaml       # λ × T × k from cached scores
+gnnlm explain -c configs/wikitext2/pipeline_cpu.yaml --text "..."   # retrieved contexts
 """
 from __future__ import annotations
 

@@ -53,7 +53,10 @@ def _download(name: str, target: Path) -> dict[str, Path]:
         # HF wikitext keeps each line's trailing newline; the release files are the concatenation.
         (tmp / f"{split}.txt").write_text("".join(loaded[hf_split]["text"]))
     os.replace(tmp, target)
-    return split_files(target)
+    files = split_files(target)
+    if files is None:
+        raise CorpusNotFoundError(f"The download of {name} into {target} has no train split.")
+    return files
 
 
 def locate_corpus(name: str, path: str | os.PathLike | None = None,

@@ -1,41 +1,50 @@
 """Features (the datastore): every position of a split encoded by the frozen base LM.
 
-For split s, ``<workdir>/features/<s>/`` holds, per position t (see ``gnnlm.encode``):
+For split s, ``workdir.features(s)`` holds, per position t (see ``gnnlm.encode``):
 
-- ``final`` float16 [N, d] and ``att`` float16 [N, d] (DESIGN.md "Features");
+- ``final`` float16 [N, d]: the last layer's output after the final norm (what the softmax
+  reads; GNN-LM's key and node feature) and ``att`` float16 [N, d]: the last block's input to
+  its FFN (kNN-LM's key; Xu et al. §3);
 - ``targets`` int32 [N]: the value of position t, the token that follows it;
 - ``lm_logprob`` float32 [N]: log p_LM(target) (valid/test by default; the kNN-LM cache).
 
-The manifest records the base LM (name and weight fingerprint), the tokens fingerprint, and the
+The manifest records the base LM (its weights' fingerprint, which identifies it; its name; and
+where it is, relative to the work directory when inside it), the tokens fingerprint, and the
 context/stride protocol. Windows are written in fixed chunks with progress recorded after each,
 so a killed build resumes at the next chunk and ends with the same bytes.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Optional
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from gnnlm.artifacts import ArtifactBuilder, ArtifactError, open_array, read_manifest
+from gnnlm.devices import torch_device
 from gnnlm.encode import encode_windows, protocol, sliding_windows
 from gnnlm.models.base import FEATURE_KEYS, BaseLM
 from gnnlm.tokens import TokenStore
+from gnnlm.workdir import SPLITS, Workdir
 
 
-def build_features(model: BaseLM, store: TokenStore, split: str, out_dir: str | Path,
+def build_features(model: BaseLM, store: TokenStore, workdir: Workdir, split: str,
                    context: int, stride: int, with_logprob: bool = True,
                    batch_size: int = 16, chunk_windows: int = 256,
-                   max_tokens: int | None = None, device: str = "cpu",
-                   rebuild: bool = False, stop_after_chunks: int | None = None) -> dict:
-    """Encode ``split`` into ``out_dir`` (skips a complete build; resumes a partial one).
+                   max_tokens: int | None = None, device: str = "auto",
+                   location: Optional[str] = None, rebuild: bool = False,
+                   stop_after_chunks: int | None = None) -> dict:
+    """Encode ``split`` into ``workdir.features(split)`` (skips a complete build; resumes a
+    partial one).
 
-    ``max_tokens`` keeps a prefix of the split. ``stop_after_chunks`` stops early without
-    completing (used to test resumption).
+    ``max_tokens`` keeps a prefix of the split. ``location`` records where the base LM can be
+    loaded from (a checkpoint path, kept relative to the work directory, or ``hf:<name>``).
+    ``stop_after_chunks`` stops early without completing (used to test resumption).
     """
+    out_dir = workdir.features(split)
     tokens = np.asarray(store.split(split)[:max_tokens])
     n = len(tokens)
     if n == 0:
@@ -46,41 +55,37 @@ def build_features(model: BaseLM, store: TokenStore, split: str, out_dir: str | 
         out_dir, kind="features",
         config={"split": split, "context": context, "stride": stride, "max_tokens": max_tokens,
                 "with_logprob": with_logprob, "chunk_windows": chunk_windows},
-        inputs={"base_lm": model.name, "base_lm_fingerprint": model.fingerprint(),
+        inputs={"base_lm_fingerprint": model.fingerprint(),
                 "tokens": store.manifest["fingerprint"]},
         rebuild=rebuild)
     if builder.is_complete():
         return read_manifest(out_dir)
     starts, _ = sliding_windows(n, context, stride)
     n_chunks = -(-len(starts) // chunk_windows)
-    model = model.to(device).eval()
+    on = torch_device(device)
+    model = model.to(on).eval()
     t0 = time.perf_counter()
     with builder:
         d = model.hidden_size
         arrays = {key: builder.array(key, np.float16, (n, d)) for key in FEATURE_KEYS}
         targets = builder.array("targets", np.int32, (n,))
         logprob = builder.array("lm_logprob", np.float32, (n,)) if with_logprob else None
-        done = builder.progress.get("chunks_done", 0)
-        bar = tqdm(total=n_chunks, initial=done, desc=f"features {split}", unit="chunk",
-                   disable=None)
-        for chunk in range(done, n_chunks):
-            if stop_after_chunks is not None and chunk - done >= stop_after_chunks:
-                return {}
+        for chunk in builder.chunks(n_chunks, f"features {split}", stop_after_chunks):
             window_range = (chunk * chunk_windows, min((chunk + 1) * chunk_windows, len(starts)))
             for batch in encode_windows(model, tokens, store.bos_id, context, stride,
-                                        window_range, batch_size, with_logprob, device):
+                                        window_range, batch_size, with_logprob, on):
                 span = slice(batch.start, batch.start + batch.final.shape[0])
                 arrays["final"][span] = batch.final.cpu().numpy().astype(np.float16)
                 arrays["att"][span] = batch.att.cpu().numpy().astype(np.float16)
-                if logprob is not None:
+                if logprob is not None and batch.logprob is not None:
                     logprob[span] = batch.logprob.cpu().numpy()
-            builder.save_progress(chunks_done=chunk + 1)
-            bar.update(1)
-        bar.close()
+        if builder.interrupted:
+            return {}
         targets[:] = tokens.astype(np.int32)
+        identity = {**model.identity(), "location": location}
         return builder.finish(extra={
             "n": n, "dim": d, "protocol": protocol(context, stride), "keys": list(FEATURE_KEYS),
-            "base_lm": model.identity(), "vocab_size": store.vocab_size,
+            "base_lm": identity, "vocab_size": store.vocab_size,
             "seconds": round(time.perf_counter() - t0, 2)})
 
 
@@ -108,15 +113,11 @@ def check_key(manifest: dict, key: str) -> None:
                             f"{sorted(manifest['arrays'])}).")
 
 
-def features_dir(workdir: str | Path, split: str) -> Path:
-    return Path(workdir) / "features" / split
-
-
-def build_output_embedding(model: BaseLM, out_dir: str | Path) -> dict:
+def build_output_embedding(model: BaseLM, workdir: Workdir) -> dict:
     """Save the base LM's output embedding ``W [V, d]`` (and bias) for heads on frozen features."""
+    out_dir = workdir.output_embedding
     builder = ArtifactBuilder(out_dir, kind="output_embedding",
-                              inputs={"base_lm": model.name,
-                                      "base_lm_fingerprint": model.fingerprint()})
+                              inputs={"base_lm_fingerprint": model.fingerprint()})
     if builder.is_complete():
         return read_manifest(out_dir)
     weight, bias = model.output_embedding()
@@ -129,8 +130,8 @@ def build_output_embedding(model: BaseLM, out_dir: str | Path) -> dict:
                                      "dim": int(weight.shape[1])})
 
 
-def load_output_embedding(workdir: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-    path = Path(workdir) / "features" / "output_embedding"
+def load_output_embedding(workdir: Workdir) -> tuple[torch.Tensor, torch.Tensor | None]:
+    path = workdir.output_embedding
     manifest = read_manifest(path, kind="output_embedding")
     weight = torch.from_numpy(np.array(open_array(path, "weight", manifest)))
     bias = (torch.from_numpy(np.array(open_array(path, "bias", manifest)))
@@ -138,14 +139,16 @@ def load_output_embedding(workdir: str | Path) -> tuple[torch.Tensor, torch.Tens
     return weight, bias
 
 
-def build_all_features(model: BaseLM, store: TokenStore, workdir: str | Path,
-                       splits: Sequence[str], context: int, stride: int,
-                       train_logprob: bool = False, **kwargs) -> dict[str, dict]:
+def build_all_features(model: BaseLM, store: TokenStore, workdir: Workdir, context: int,
+                       stride: int, splits: Sequence[str] = SPLITS, train_logprob: bool = False,
+                       max_tokens: Optional[dict[str, int]] = None, **kwargs) -> dict[str, dict]:
     """Features for every split (``lm_logprob`` for train only when asked: it costs a softmax),
     and the output embedding that heads on these features project through."""
-    build_output_embedding(model, Path(workdir) / "features" / "output_embedding")
-    return {s: build_features(model, store, s, features_dir(workdir, s), context, stride,
-                              with_logprob=(s != "train" or train_logprob), **kwargs)
+    build_output_embedding(model, workdir)
+    limits = max_tokens or {}
+    return {s: build_features(model, store, workdir, s, context, stride,
+                              with_logprob=(s != "train" or train_logprob),
+                              max_tokens=limits.get(s), **kwargs)
             for s in splits}
 
 

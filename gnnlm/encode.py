@@ -9,7 +9,8 @@ of its left context, when that is shorter), whatever the batch size or chunking.
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch

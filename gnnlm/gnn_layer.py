@@ -11,7 +11,8 @@ receive no edge (or have no nodes) keep their representation, so a stack never l
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -29,8 +30,8 @@ def _check_sizes(channels: int, heads: int, dropout: float) -> None:
         raise ValueError(f"dropout must lie in [0, 1) (got {dropout}).")
 
 
-def _check_inputs(metadata: Metadata, x_dict: Dict[NodeType, Tensor],
-                  edge_index_dict: Dict[EdgeType, Tensor]) -> None:
+def _check_inputs(metadata: Metadata, x_dict: dict[NodeType, Tensor],
+                  edge_index_dict: dict[EdgeType, Tensor]) -> None:
     """Refuse node and edge types the layer has no parameters for."""
     node_types, edge_types = metadata
     for node_type in x_dict:
@@ -123,14 +124,14 @@ class GNNLMConv(MessagePassing):
         super().reset_parameters()
         for lins in (self.q_lin, self.k_lin, self.v_lin, self.o_lin):
             for lin in lins.values():
-                lin.reset_parameters()
+                cast(nn.Linear, lin).reset_parameters()
         if self.zero_init_output:
             for lin in self.o_lin.values():
-                nn.init.zeros_(lin.weight)
-                nn.init.zeros_(lin.bias)
+                nn.init.zeros_(cast(nn.Linear, lin).weight)
+                nn.init.zeros_(cast(nn.Linear, lin).bias)
         if self.norm is not None:
             for norm in self.norm.values():
-                norm.reset_parameters()
+                cast(nn.LayerNorm, norm).reset_parameters()
         # identity relation maps and μ = 1: attention starts as plain scaled dot-product per head
         eye = torch.eye(self.head_dim)
         with torch.no_grad():
@@ -139,8 +140,8 @@ class GNNLMConv(MessagePassing):
         for p in self.mu.values():
             nn.init.ones_(p)
 
-    def forward(self, x_dict: Dict[NodeType, Tensor],
-                edge_index_dict: Dict[EdgeType, Tensor]) -> Dict[NodeType, Tensor]:
+    def forward(self, x_dict: dict[NodeType, Tensor],
+                edge_index_dict: dict[EdgeType, Tensor]) -> dict[NodeType, Tensor]:
         _check_inputs(self.metadata, x_dict, edge_index_dict)
         H, D = self.heads, self.head_dim
         targets = set(self.out_types) & set(x_dict)
@@ -204,10 +205,10 @@ class HGTLayer(nn.Module):
         self.conv.reset_parameters()
         if self.norm is not None:
             for norm in self.norm.values():
-                norm.reset_parameters()
+                cast(nn.LayerNorm, norm).reset_parameters()
 
-    def forward(self, x_dict: Dict[NodeType, Tensor],
-                edge_index_dict: Dict[EdgeType, Tensor]) -> Dict[NodeType, Tensor]:
+    def forward(self, x_dict: dict[NodeType, Tensor],
+                edge_index_dict: dict[EdgeType, Tensor]) -> dict[NodeType, Tensor]:
         _check_inputs(self.metadata, x_dict, edge_index_dict)
         h = {t: self.norm[t](x) for t, x in x_dict.items()} if self.norm is not None else x_dict
         conv_out = self.conv(h, edge_index_dict)
@@ -249,10 +250,10 @@ class GNNStack(nn.Module):
 
     def reset_parameters(self) -> None:
         for layer in self.layers:
-            layer.reset_parameters()
+            cast(GNNLMConv | HGTLayer, layer).reset_parameters()
 
-    def forward(self, x_dict: Dict[NodeType, Tensor],
-                edge_index_dict: Dict[EdgeType, Tensor]) -> Dict[NodeType, Tensor]:
+    def forward(self, x_dict: dict[NodeType, Tensor],
+                edge_index_dict: dict[EdgeType, Tensor]) -> dict[NodeType, Tensor]:
         for layer in self.layers:
             x_dict = layer(x_dict, edge_index_dict)
         return x_dict

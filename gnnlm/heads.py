@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 
 class SpalmGate(nn.Module):
-    r"""SPALM long-term memory (Yogatama et al. 2021, §2; spalm-notes.md):
+    r"""SPALM long-term memory (Yogatama et al. 2021, §2).
 
     .. math::
         m_t = \sum_{k=1}^K \frac{\exp y_k^\top h_t}{\sum_j \exp y_j^\top h_t}\, y_k, \quad

@@ -10,19 +10,24 @@ from torchmetrics import Metric
 
 
 def perplexity(nll_sum: float, n_tokens: int) -> float:
-    """exp(Σ NLL / Σ tokens): never a mean of per-batch perplexities."""
+    """exp(Σ NLL / Σ tokens): never a mean of per-batch perplexities (inf when a token had
+    probability 0, or the model is astronomically bad)."""
     if n_tokens <= 0:
         raise ValueError(f"perplexity needs at least one scored token (got {n_tokens}).")
-    return math.exp(nll_sum / n_tokens)
+    try:
+        return math.exp(nll_sum / n_tokens)
+    except OverflowError:
+        return math.inf
 
 
 def bits_per_token(nll_sum: float, n_tokens: int) -> float:
     return nll_sum / n_tokens / math.log(2)
 
 
-def ppl_from_logprobs(logprobs: np.ndarray) -> float:
-    """Perplexity of per-token natural-log probabilities of the targets."""
-    return perplexity(-float(np.sum(logprobs, dtype=np.float64)), len(logprobs))
+def ppl_from_logprobs(logprobs) -> float:
+    """Perplexity of per-token natural-log probabilities of the targets (array or tensor)."""
+    values = np.asarray(logprobs)
+    return perplexity(-float(np.sum(values, dtype=np.float64)), len(values))
 
 
 def target_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -40,6 +45,8 @@ def unigram_logprobs(train: np.ndarray, targets: np.ndarray, vocab_size: int) ->
 class TokenNLL(Metric):
     """Summed NLL and token count, reduced across DDP ranks; ``compute`` gives the mean NLL."""
     full_state_update = False
+    nll: torch.Tensor
+    count: torch.Tensor
 
     def __init__(self):
         super().__init__()

@@ -1,6 +1,6 @@
 """Neighbours for every position of a split: the retrieval that GNN-LM and kNN-LM build on.
 
-For split s, ``<workdir>/neighbors/<s>/`` (see ``neighbors_dir``) holds, per position t:
+For split s, ``workdir.neighbors(key, metric, s)`` holds, per position t:
 
 - ``ids`` int32 [N, K]: train positions of the K nearest train keys, best first, -1 = none;
 - ``sims`` float32 [N, K]: their similarities as the search returned them (the "FAISS scores"
@@ -8,8 +8,8 @@ For split s, ``<workdir>/neighbors/<s>/`` (see ``neighbors_dir``) holds, per pos
 
 Queries are the split's features of the index's key type. The datastore holds train positions
 only, so train queries would find their own future: for ``split == "train"`` every neighbour p
-with |p - t| < W is dropped (DESIGN.md "Leakage"; W defaults to the base LM's context length,
-passed by the caller). At most 2W - 1 keys lie in that window, so train queries search
+with |p - t| < W is dropped (W defaults to the base LM's context length, passed by the
+caller). At most 2W - 1 keys lie in that window, so train queries search
 ``K + 2W - 1`` candidates and keep the first K unmasked ones: the result never holds a masked
 position and never has fewer than K neighbours for lack of width. The manifest records
 ``masked_fraction`` (dropped / retrieved candidates) and ``masked_fraction_top_k`` (the share of
@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from tqdm import tqdm
 
-from gnnlm.artifacts import ArtifactBuilder, ArtifactError, open_array, read_manifest
+from gnnlm.artifacts import ArtifactBuilder, ArtifactError, check_inputs, open_array, read_manifest
 from gnnlm.datastore import check_key, open_features
-from gnnlm.index import Searcher
+from gnnlm.search import Searcher
+from gnnlm.workdir import Workdir
 
 
 @dataclass
@@ -67,12 +67,6 @@ class NeighborsConfig:
                              f"(got {self.backend!r}).")
 
 
-def neighbors_dir(workdir: str | Path, split: str, tag: str | None = None) -> Path:
-    """``<workdir>/neighbors/<split>`` (or ``neighbors/<tag>/<split>`` for several indexes)."""
-    root = Path(workdir) / "neighbors"
-    return root / split if tag is None else root / tag / split
-
-
 def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, window: int, K: int
                  ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
     """Drop candidates p with |p - t| < window and keep the first K others, order preserved.
@@ -96,51 +90,40 @@ def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, windo
     return out_sims, out_ids, counts
 
 
-def build_neighbors(split: str, query_features_dir: str | Path, train_features_dir: str | Path,
-                    index_dir: str | Path, out_dir: str | Path,
+def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
                     config: NeighborsConfig | None = None, leakage_window: int | None = None,
                     rebuild: bool = False, stop_after_chunks: int | None = None,
                     device: str = "auto") -> dict:
-    """Neighbours of every position of ``split`` (skips a complete build; resumes a partial one).
+    """Neighbours of every position of ``split`` among the train ``key`` keys under ``metric``
+    (skips a complete build; resumes a partial one).
 
-    The index manifest gives the key type and metric for both backends (the exact backend
-    searches the same keys with the same metric). ``stop_after_chunks`` stops early without
-    completing (used to test resumption).
+    ``config.backend`` picks the FAISS index ``workdir.index(key, metric)`` or exact search over
+    the same keys. ``stop_after_chunks`` stops early without completing (used to test
+    resumption).
     """
     config = config or NeighborsConfig()
-    index_manifest = read_manifest(index_dir, kind="index")
-    key, metric = index_manifest["key"], index_manifest["metric"]
-    query_manifest, query_arrays = open_features(query_features_dir)
-    train_manifest, _ = open_features(train_features_dir)
+    index_path = workdir.index(key, metric)
+    index_manifest = read_manifest(index_path, kind="index")
+    query_manifest, query_arrays = open_features(workdir.features(split))
+    train_manifest, _ = open_features(workdir.features("train"))
     made, asked = index_manifest["base_lm"], query_manifest["base_lm"]
     if made["fingerprint"] != asked["fingerprint"]:
         raise ArtifactError(
-            f"The query features at {query_features_dir} come from base LM {asked['name']} "
-            f"(weights {asked['fingerprint']}), but the index at {index_dir} holds keys of base "
-            f"LM {made['name']} (weights {made['fingerprint']}): their vectors live in different "
-            f"spaces. Encode {split} with the model that made the index, or rebuild the index.")
-    if train_manifest["fingerprint"] != index_manifest["features"]:
-        raise ArtifactError(
-            f"The index at {index_dir} was built over features {index_manifest['features']}, "
-            f"not over the train features at {train_features_dir} "
-            f"({train_manifest['fingerprint']}): neighbour ids would point at other positions. "
-            f"Rebuild the index over these features.")
+            f"The {split} features at {workdir.features(split)} come from base LM "
+            f"{asked['name']} (weights {asked['fingerprint']}), but the index at {index_path} "
+            f"holds keys of base LM {made['name']} (weights {made['fingerprint']}): their vectors "
+            f"live in different spaces. Encode {split} with the model that made the index, or "
+            f"rebuild the index.")
+    check_inputs(index_manifest, index_path, {"features": train_manifest["fingerprint"]},
+                 "Neighbour ids would point at other positions: rebuild the index over these "
+                 "train features (--rebuild).")
     check_key(query_manifest, key)
     masked = split == "train"
-    window = config.leakage_window if config.leakage_window is not None else leakage_window
-    if masked:
-        if window is None:
-            raise ValueError("Train queries need a leakage window W (neighbors.leakage_window, "
-                             "default: the base LM's context length) (got None).")
-        if query_manifest["fingerprint"] != index_manifest["features"]:
-            raise ArtifactError(
-                f"split 'train' queries must be the index's own features "
-                f"({index_manifest['features']}) so that leakage masking compares the same "
-                f"positions, but {query_features_dir} holds features "
-                f"{query_manifest['fingerprint']}.")
-        window = int(window)
-    else:
-        window = None
+    given = config.leakage_window if config.leakage_window is not None else leakage_window
+    if masked and given is None:
+        raise ValueError("Train queries need a leakage window W (neighbors.leakage_window, "
+                         "default: the base LM's context length) (got None).")
+    window = int(given) if masked and given is not None else 0
     queries = query_arrays[key]                                        # [N, d] float16
     n = int(queries.shape[0])
     if split == "train" and config.train_queries is not None:
@@ -150,31 +133,26 @@ def build_neighbors(split: str, query_features_dir: str | Path, train_features_d
         raise ValueError(f"neighbors.K must not exceed the datastore size {ntotal} "
                          f"(got {config.K}): lower K or build a larger datastore.")
     width = min(config.K + 2 * window - 1, ntotal) if masked and window > 0 else config.K
+    out_dir = workdir.neighbors(key, metric, split)
     builder = ArtifactBuilder(
         out_dir, kind="neighbors",
-        config={**asdict(config), "leakage_window": window, "split": split},
+        config={**asdict(config), "leakage_window": window if masked else None, "split": split},
         inputs={"index": index_manifest["fingerprint"], "features": query_manifest["fingerprint"],
                 "train_features": train_manifest["fingerprint"]},
         rebuild=rebuild)
     if builder.is_complete():
         return read_manifest(out_dir)
     if config.backend == "index":
-        searcher = Searcher.open(index_dir, device=device)
+        searcher = Searcher.open(index_path, device=device)
     else:
-        searcher = Searcher.exact(train_features_dir, key, metric, device=device)
+        searcher = Searcher.exact(workdir, key, metric, device=device)
     n_chunks = -(-n // config.chunk)
     names = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
     with builder:
         ids_out = builder.array("ids", np.int32, (n, config.K))
         sims_out = builder.array("sims", np.float32, (n, config.K))
-        done = builder.progress.get("chunks_done", 0)
-        counts = {name: builder.progress.get(name, 0) for name in names}
-        seconds = builder.progress.get("search_seconds", 0.0)
-        bar = tqdm(total=n_chunks, initial=done, desc=f"neighbours {split}", unit="chunk",
-                   disable=None)
-        for chunk in range(done, n_chunks):
-            if stop_after_chunks is not None and chunk - done >= stop_after_chunks:
-                return {}
+        counts = builder.progress
+        for chunk in builder.chunks(n_chunks, f"neighbours {split}", stop_after_chunks):
             t0 = time.perf_counter()
             stop = min((chunk + 1) * config.chunk, n)
             for start in range(chunk * config.chunk, stop, config.batch_size):
@@ -185,33 +163,48 @@ def build_neighbors(split: str, query_features_dir: str | Path, train_features_d
                     positions = np.arange(start, end, dtype=np.int64)
                     sims, ids, c = mask_leakage(sims, ids, positions, window, config.K)
                     for name in names:
-                        counts[name] += c[name]
+                        counts[name] = counts.get(name, 0) + c[name]
                 else:
                     sims, ids = sims[:, :config.K], ids[:, :config.K]
                 ids_out[start:end] = ids
                 sims_out[start:end] = sims
-            seconds += time.perf_counter() - t0
-            builder.save_progress(chunks_done=chunk + 1, search_seconds=seconds, **counts)
-            bar.update(1)
-        bar.close()
+            counts["search_seconds"] = counts.get("search_seconds", 0.0) + time.perf_counter() - t0
+        if builder.interrupted:
+            return {}
+        seconds = counts.get("search_seconds", 0.0)
         stats = {}
         if masked:
-            stats = {**counts,
-                     "masked_fraction": counts["dropped"] / max(counts["retrieved"], 1),
-                     "masked_fraction_top_k": (counts["dropped_top_k"]
-                                               / max(counts["retrieved_top_k"], 1))}
+            totals = {name: counts.get(name, 0) for name in names}
+            stats = {**totals,
+                     "masked_fraction": totals["dropped"] / max(totals["retrieved"], 1),
+                     "masked_fraction_top_k": (totals["dropped_top_k"]
+                                               / max(totals["retrieved_top_k"], 1))}
         return builder.finish(extra={
             "split": split, "n": n, "K": config.K, "key": key, "metric": metric,
             "backend": config.backend,
             "factory": index_manifest["factory"] if config.backend == "index" else "exact",
             "nprobe": getattr(searcher, "nprobe", None),
-            "leakage_window": window, "search_k": width, "masked": masked, **stats,
+            "leakage_window": window if masked else None, "search_k": width, "masked": masked,
+            **stats,
             "base_lm": asked, "index_recall": index_manifest.get("recall"),
             "search_seconds": round(seconds, 3),
             "queries_per_s": round(n / seconds, 1) if seconds > 0 else None})
 
 
+def neighbor_values(ids: np.ndarray, train_targets: np.ndarray) -> np.ndarray:
+    """The values (the train tokens that followed) of neighbour ids [..., K]; -1 where id is -1."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return np.where(ids >= 0, np.asarray(train_targets)[np.maximum(ids, 0)], -1)
+
+
+def neighbor_hits(ids: np.ndarray, train_targets: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Bool [n, K]: does neighbour i's value equal the query's target (False where id is -1)."""
+    values = neighbor_values(ids, train_targets)
+    return (values == np.asarray(targets, dtype=np.int64)[:, None]) & (values >= 0)
+
+
 def open_neighbors(path: str | Path) -> tuple[dict, dict]:
-    """``(manifest, {"ids": memmap [N, K], "sims": memmap [N, K]})`` of a neighbours artifact."""
+    """``(manifest, {"ids": memmap [N, K], "sims": memmap [N, K]})`` of a neighbours folder
+    (``workdir.neighbors(key, metric, split)``)."""
     manifest = read_manifest(path, kind="neighbors")
     return manifest, {name: open_array(path, name, manifest) for name in ("ids", "sims")}

@@ -18,12 +18,13 @@ import numpy as np
 
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.datastore import check_key, open_features
+from gnnlm.workdir import Workdir
 
 
 @dataclass
 class PQConfig:
-    """``m`` sub-quantizers of 8 bits (bytes per vector; default d/4); ``opq`` adds a rotation."""
-    key: str = "final"
+    """``m`` sub-quantizers of 8 bits (bytes per vector; default d/4); ``opq`` adds a rotation.
+    The key type is the pipeline's primary key (``knn.keys[0]``), which the graphs read."""
     m: Optional[int] = None
     opq: bool = True
     train_sample: int = 65536
@@ -42,17 +43,20 @@ def _sample(n: int, size: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(n, size=min(size, n), replace=False))
 
 
-def build_pq(train_features_dir: str | Path, out_dir: str | Path, config: PQConfig = PQConfig(),
-             rebuild: bool = False, stop_after_chunks: int | None = None) -> dict:
-    """Train the codec on a seeded sample and encode all train features in resumable chunks."""
-    feat_manifest, arrays = open_features(train_features_dir)
-    check_key(feat_manifest, config.key)
-    keys = arrays[config.key]                                          # [N, d] float16
+def build_pq(workdir: Workdir, key: str, config: PQConfig | None = None, rebuild: bool = False,
+             stop_after_chunks: int | None = None) -> dict:
+    """Train the codec on a seeded sample and encode all train ``key`` features in resumable
+    chunks into ``workdir.pq(key)``."""
+    config = config or PQConfig()
+    feat_manifest, arrays = open_features(workdir.features("train"))
+    check_key(feat_manifest, key)
+    keys = arrays[key]                                                 # [N, d] float16
     n, d = keys.shape
     m = config.m or max(1, d // 4)
     factory = codec_factory(d, m, config.opq)
+    out_dir = workdir.pq(key)
     builder = ArtifactBuilder(out_dir, kind="pq",
-                              config={**vars(config), "m": m, "factory": factory},
+                              config={**vars(config), "key": key, "m": m, "factory": factory},
                               inputs={"features": feat_manifest["fingerprint"]}, rebuild=rebuild)
     if builder.is_complete():
         return read_manifest(out_dir)
@@ -69,13 +73,11 @@ def build_pq(train_features_dir: str | Path, out_dir: str | Path, config: PQConf
             faiss.write_index(codec, str(codec_path))
         codes = builder.array("codes", np.uint8, (n, codec.sa_code_size()))
         n_chunks = -(-n // config.chunk)
-        done = builder.progress.get("chunks_done", 0)
-        for chunk in range(done, n_chunks):
-            if stop_after_chunks is not None and chunk - done >= stop_after_chunks:
-                return {}
+        for chunk in builder.chunks(n_chunks, f"PQ codes {key}", stop_after_chunks):
             rows = slice(chunk * config.chunk, min((chunk + 1) * config.chunk, n))
             codes[rows] = codec.sa_encode(np.ascontiguousarray(keys[rows], dtype=np.float32))
-            builder.save_progress(chunks_done=chunk + 1)
+        if builder.interrupted:
+            return {}
         held_out = _sample(n, min(8192, n), config.seed + 1)
         x = np.asarray(keys[held_out], dtype=np.float32)
         x_hat = codec.sa_decode(np.ascontiguousarray(codes[held_out]))
@@ -95,7 +97,7 @@ class PQFeatures:
         self.manifest = read_manifest(path, kind="pq")
         self.codes = open_array(path, "codes", self.manifest)          # [N, bytes] uint8
         self.dim = self.manifest["dim"]
-        self._codec = None  # faiss objects do not pickle: load lazily in each worker
+        self._codec: Optional[faiss.Index] = None  # faiss objects do not pickle: lazily loaded
 
     def __getstate__(self):
         return {**self.__dict__, "_codec": None, "codes": None}

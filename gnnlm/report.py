@@ -6,7 +6,6 @@ log-probabilities, never averaged from batches.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +13,7 @@ import numpy as np
 
 from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
 from gnnlm.metrics import ppl_from_logprobs
+from gnnlm.workdir import EVAL_SPLITS, Workdir
 
 ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN",
              "spalm": "SPALM (gated long-term memory)",
@@ -60,7 +60,7 @@ def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
     return rows
 
 
-def _stage_seconds(workdir: Path, retrieval: dict, heads: dict, base_manifest: dict,
+def _stage_seconds(cfg, workdir: Workdir, retrieval: dict, heads: dict, base_manifest: dict,
                    feature_manifests: dict) -> dict:
     """Build time of each stage as recorded in its artifacts (stable across reruns)."""
     timing = {"base_lm": base_manifest.get("train_seconds", 0.0),
@@ -70,11 +70,11 @@ def _stage_seconds(workdir: Path, retrieval: dict, heads: dict, base_manifest: d
             "add_seconds", 0)
         timing[f"neighbors[{key}]"] = sum(m.get("search_seconds", 0)
                                           for m in r["neighbors"].values())
-        timing[f"knn_cache[{key}]"] = sum(read_manifest(p).get("seconds", 0)
-                                          for p in r["caches"].values())
-    pq_dirs = list((workdir / "pq").glob("*/manifest.json")) if (workdir / "pq").exists() else []
-    if pq_dirs and "gnn" in heads:
-        timing["pq"] = sum(json.loads(p.read_text()).get("seconds", 0) for p in pq_dirs)
+        timing[f"knn_cache[{key}]"] = sum(
+            read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, s)).get(
+                "seconds", 0) for s in EVAL_SPLITS)
+    if "gnn" in heads:
+        timing["pq"] = read_manifest(workdir.pq(cfg.knn.primary)).get("seconds", 0)
     for name, manifest in heads.items():
         timing[name] = manifest.get("train_seconds", 0.0)
     return {k: round(float(v), 2) for k, v in timing.items()}
@@ -90,7 +90,7 @@ def _markdown(results: dict) -> str:
                      f"{'' if valid is None else f'{valid:.2f}'} | {ppl:.2f} |")
     lines += ["", "Interpolation hyper-parameters (fitted on valid):", ""]
     for name, hp in results["hparams"].items():
-        shown = {k: v for k, v in hp.items() if k != "valid_ppl"}
+        shown = {k: v for k, v in hp.items() if k not in ("valid_ppl", "test_ppl")}
         lines.append(f"- {row_name(name)}: " + ", ".join(f"{k}={v}" for k, v in
                                                                       shown.items()))
     if results.get("knn_recall_buckets"):
@@ -157,10 +157,10 @@ def plot_gate_histogram(histogram: list[int], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, retrieval: dict,
-                 heads: dict, base_manifest: dict, feature_manifests: dict,
+def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dict,
+                 retrieval: dict, heads: dict, base_manifest: dict, feature_manifests: dict,
                  ablations: Optional[dict] = None) -> dict:
-    out = workdir / "reports" / cfg.name
+    out = workdir.report(cfg.name)
     out.mkdir(parents=True, exist_ok=True)
     test_n = feature_manifests["test"]["n"]
     for name, per_split in scores.items():
@@ -172,7 +172,6 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
     ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
     valid_ppl.update({name: hp["valid_ppl"] for name, hp in hparams.items() if "valid_ppl" in hp})
-    primary = retrieval[cfg.knn.keys[0]]
     results = {
         "name": cfg.name, "dataset": store.manifest["config"]["corpus"], "split": "test",
         "tokens": int(test_n), "protocol": feature_manifests["test"]["protocol"],
@@ -184,12 +183,14 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
                                 "leakage_window": r["neighbors"]["train"]["leakage_window"]}
                                if "train" in r["neighbors"] else {})}
                       for key, r in retrieval.items()},
-        "timing_s": _stage_seconds(workdir, retrieval, heads, base_manifest, feature_manifests),
+        "timing_s": _stage_seconds(cfg, workdir, retrieval, heads, base_manifest,
+                                   feature_manifests),
     }
     if store.level == "char":
         results["bpc"] = {name: float(np.log2(p)) for name, p in ppl.items()}
     best = "gnn+knn" if "gnn+knn" in scores else "knn"
-    hits = open_array(primary["caches"]["test"], "hits")
+    hits = open_array(workdir.knn_cache(cfg.knn.primary, cfg.knn.metric, cfg.knn.scores, "test"),
+                      "hits")
     results["knn_recall_buckets"] = recall_buckets(np.asarray(hits).sum(1), scores["base"]["test"],
                                                    scores[best]["test"])
     results["knn_recall_buckets_model"] = best
@@ -199,9 +200,19 @@ def write_report(cfg, workdir: Path, model, store, scores: dict, hparams: dict, 
             plot_gate_histogram(heads[head]["gate"]["histogram"], out / f"{head}_gate_hist.png")
     if ablations:
         results["ablations"] = ablations
-        for png in (workdir / "ablations").glob("*.png"):
+        for png in workdir.ablations.glob("*.png"):
             (out / png.name).write_bytes(png.read_bytes())
     np.savez_compressed(out / "test_logprobs.npz", **{k: v["test"] for k, v in scores.items()})
     write_json_atomic(out / "results.json", results)
     (out / "results.md").write_text(_markdown(results))
     return results
+
+
+def print_table(results: dict, workdir: Workdir) -> None:
+    """The results table on stdout, as ``gnnlm pipeline`` ends."""
+    print(f"\n{results['dataset']}: test {results['tokens']:,} tokens ({results['protocol']})")
+    print(f"  {'model':<36} {'valid ppl':>10} {'test ppl':>10}")
+    for name, ppl in results["ppl"].items():
+        valid = results["valid_ppl"].get(name)
+        print(f"  {row_name(name):<36} {'' if valid is None else f'{valid:.2f}':>10} {ppl:10.2f}")
+    print(f"written to {workdir.report(results['name'])}")

@@ -17,22 +17,22 @@ from __future__ import annotations
 import csv
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from gnnlm.artifacts import write_json_atomic
-from gnnlm.knn import _as_cache, evaluate, perplexity_of, sweep
-
-DEFAULT_KS = (8, 16, 32, 64, 128, 256, 512, 1024)
-DEFAULT_TEMPERATURES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
-DEFAULT_LAMBDAS = tuple(round(x, 2) for x in np.arange(0.0, 0.75, 0.05))
+from gnnlm.knn import DEFAULT_LAMBDAS, base_perplexity, default_temperatures, evaluate, sweep
+from gnnlm.knn_cache import open_knn_cache
 
 
-def _base_ppl(arrays: Any) -> float:
-    lm = arrays["lm_logprob"]
-    return perplexity_of(float(np.sum(lm, dtype=np.float64)), len(lm))
+def _as_cache(cache: Any) -> tuple[dict, Any]:
+    """A cache folder, or a mapping of arrays (nothing recorded about it)."""
+    if isinstance(cache, (str, os.PathLike)):
+        return open_knn_cache(cache)
+    return {}, cache
 
 
 def _check_same_setup(valid_manifest: dict, test_manifest: dict) -> None:
@@ -47,7 +47,8 @@ def _check_same_setup(valid_manifest: dict, test_manifest: dict) -> None:
 
 
 def _write_heatmap(path: Path, grid_at_k: np.ndarray, temperatures: Sequence[float],
-                   lambdas: Sequence[float], k: int, best: tuple[int, int]) -> None:
+                   lambdas: Sequence[float], k: int, best: tuple[int, int],
+                   base_ppl: float) -> None:
     # The object API with an Agg canvas: no pyplot global state, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -56,14 +57,20 @@ def _write_heatmap(path: Path, grid_at_k: np.ndarray, temperatures: Sequence[flo
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     shown = np.where(np.isfinite(grid_at_k), grid_at_k, np.nan)        # [T, λ]
-    image = ax.imshow(shown, aspect="auto", origin="lower", cmap="viridis_r")
+    # Points worse than the base LM (large λ, extreme T) would stretch the colour scale over
+    # hundreds of perplexity points and flatten the region that matters: clip them at the base.
+    top = min(np.nanmax(shown), base_ppl) if np.isfinite(base_ppl) else np.nanmax(shown)
+    image = ax.imshow(shown, aspect="auto", origin="lower", cmap="viridis_r",
+                      vmin=np.nanmin(shown), vmax=max(top, np.nanmin(shown) + 1e-6))
     ax.set_xticks(range(len(lambdas)), [f"{x:g}" for x in lambdas], rotation=90)
     ax.set_yticks(range(len(temperatures)), [f"{x:g}" for x in temperatures])
     ax.set_xlabel("λ")
     ax.set_ylabel("temperature T")
     ax.plot(best[1], best[0], marker="*", color="red", markersize=12)
-    ax.set_title(f"valid perplexity at k = {k}")
-    fig.colorbar(image, ax=ax, label="valid ppl")
+    ax.annotate(f"{grid_at_k[best]:.2f}", (best[1], best[0]), color="red",
+                xytext=(6, 6), textcoords="offset points")
+    ax.set_title(f"kNN-LM valid perplexity at k = {k} (★ chosen; ≥ base LM clipped)")
+    fig.colorbar(image, ax=ax, label="valid perplexity")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -86,25 +93,24 @@ def _log_wandb(out_dir: Path, rows: list[list], result: dict, heatmap: Path, nam
         return str(Path(run.dir).parent)
 
 
-def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
-              ks: Sequence[int] = DEFAULT_KS, temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path, ks: Sequence[int],
+              temperatures: Optional[Sequence[float]] = None,
               lambdas: Sequence[float] = DEFAULT_LAMBDAS, *, use_wandb: bool = True,
               wandb_project: str = "gnnlm", wandb_name: str | None = None) -> dict:
     """Sweep on valid, report test at the valid-chosen point; returns the summary dict.
 
-    ``valid_cache``/``test_cache`` are cache folders or mappings of arrays. ``ks`` larger than
-    the caches' K are dropped (with the largest K added) so one grid serves every K.
+    ``valid_cache``/``test_cache`` are cache folders or mappings of arrays. Every k must be at
+    most the caches' K (an error otherwise: a larger k cannot be served). ``temperatures``
+    defaults to the grid for the caches' similarity (``gnnlm.knn.default_temperatures``).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     valid_manifest, valid = _as_cache(valid_cache)
     test_manifest, test = _as_cache(test_cache)
     _check_same_setup(valid_manifest, test_manifest)
-    K = int(valid["sims"].shape[1])
-    usable = sorted({int(k) for k in ks if int(k) <= K})
-    if len(usable) < len(set(ks)):
-        usable = sorted(set(usable) | {K})
-    ks = usable
+    ks = sorted({int(k) for k in ks})
+    if temperatures is None:
+        temperatures = default_temperatures(valid_manifest.get("metric", "cos"))
     temperatures, lambdas = [float(t) for t in temperatures], [float(x) for x in lambdas]
 
     t0 = time.perf_counter()
@@ -115,7 +121,7 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
     result = {
         **best, "valid_ppl": float(grid[i, j, n]),
         "test_ppl": evaluate(test, best["k"], best["temperature"], best["lambda"]),
-        "base_valid_ppl": _base_ppl(valid), "base_test_ppl": _base_ppl(test),
+        "base_valid_ppl": base_perplexity(valid), "base_test_ppl": base_perplexity(test),
         "points": int(grid.size), "valid_tokens": int(len(valid["lm_logprob"])),
         "test_tokens": int(len(test["lm_logprob"])), "seconds": round(seconds, 4),
         "points_per_s": round(grid.size / seconds, 2) if seconds > 0 else None,
@@ -138,7 +144,8 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
         writer.writerow(["k", "temperature", "lambda", "valid_ppl"])
         writer.writerows(rows)
     heatmap = out_dir / "sweep_heatmap.png"
-    _write_heatmap(heatmap, grid[i], temperatures, lambdas, ks[i], (j, n))
+    _write_heatmap(heatmap, grid[i], temperatures, lambdas, ks[i], (j, n),
+                   result["base_valid_ppl"])
     cache = result["cache"]
     (out_dir / "sweep.md").write_text(
         f"# kNN-LM sweep\n\n"
@@ -167,18 +174,26 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path,
 def main(args: list[str]) -> dict:
     """``gnnlm sweep -c PIPELINE.yaml [--knn.k=... --knn.temperature=... --knn.lambda_=...]``.
 
-    Sweeps the pipeline's kNN caches of its first key (built by ``gnnlm pipeline``) over the
-    config's grid, or the single point a W&B sweep agent passes, into ``reports/<name>/sweep``.
+    Sweeps the pipeline's kNN caches of its primary key (built by ``gnnlm pipeline``) over the
+    config's grid into ``reports/<name>/sweep``, or scores the single point a W&B sweep agent
+    pins into ``reports/<name>/sweep/<point>`` (agents never overwrite each other's files).
     """
-    from gnnlm.pipeline import cache_dir, load_config, retrieval_tag
+    from gnnlm.config import load_config
+    from gnnlm.workdir import Workdir
 
     cfg = load_config(args)
-    ks, temperatures, lambdas = cfg.knn.grid()
-    workdir = Path(cfg.workdir)
-    tag = retrieval_tag(cfg.knn.keys[0], cfg.knn.metric)
-    caches = [cache_dir(workdir, tag, cfg.knn.scores, split) for split in ("valid", "test")]
-    result = run_sweep(*caches, workdir / "reports" / cfg.name / "sweep", ks, temperatures,
-                       lambdas, wandb_name=f"{cfg.name}-sweep")
+    knn = cfg.knn
+    ks, temperatures, lambdas = knn.grid()
+    workdir = Workdir(cfg.workdir)
+    caches = [workdir.knn_cache(knn.primary, knn.metric, knn.scores, split)
+              for split in ("valid", "test")]
+    out = workdir.report(cfg.name) / "sweep"
+    pinned = [f"{name}={value:g}" for name, value in
+              (("k", knn.k), ("T", knn.temperature), ("lambda", knn.lambda_)) if value is not None]
+    if pinned:
+        out = out / ",".join(pinned)
+    result = run_sweep(*caches, out, ks, temperatures, lambdas,
+                       wandb_name=f"{cfg.name}-sweep" + (f"-{','.join(pinned)}" if pinned else ""))
     print(f"best on valid: k={result['k']} T={result['temperature']} λ={result['lambda']}  "
           f"valid ppl {result['valid_ppl']:.2f} (base {result['base_valid_ppl']:.2f}), "
           f"test ppl {result['test_ppl']:.2f} (base {result['base_test_ppl']:.2f}); "

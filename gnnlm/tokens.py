@@ -25,7 +25,7 @@ EOS, UNK = "<eos>", "<unk>"
 
 @dataclass
 class TokenizerConfig:
-    """How text becomes token ids.
+    r"""How text becomes token ids.
 
     kind: ``word`` (whitespace + ``<eos>`` per line), ``char`` (one id per character, ``\\n``
     included), ``bpe`` (train a byte-level BPE with ``vocab_size`` on the train split), or ``hf``
@@ -51,9 +51,18 @@ class Tokenizer:
     vocab_size: int
     bos_id: int
 
-    def encode(self, text: str) -> np.ndarray: raise NotImplementedError
-    def tokens(self, ids) -> list[str]: raise NotImplementedError
-    def save(self, folder: Path) -> None: raise NotImplementedError
+    def encode(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def tokens(self, ids) -> list[str]:
+        raise NotImplementedError
+
+    def save(self, folder: Path) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, folder: Path) -> Tokenizer:
+        raise NotImplementedError
 
     def decode(self, ids) -> str:
         return " ".join(self.tokens(ids))
@@ -70,7 +79,7 @@ class WordTokenizer(Tokenizer):
         self.unk_id = self.stoi[UNK]
 
     @classmethod
-    def fit(cls, train_text: str, max_vocab: Optional[int] = None) -> "WordTokenizer":
+    def fit(cls, train_text: str, max_vocab: Optional[int] = None) -> WordTokenizer:
         counts = Counter(w for line in _lines(train_text) for w in line.split())
         counts.pop(EOS, None), counts.pop(UNK, None)
         # Specials first, then by frequency (ties in order of first appearance).
@@ -89,12 +98,12 @@ class WordTokenizer(Tokenizer):
         (folder / "vocab.json").write_text(json.dumps(self.vocab, ensure_ascii=False))
 
     @classmethod
-    def load(cls, folder: Path) -> "WordTokenizer":
+    def load(cls, folder: Path) -> WordTokenizer:
         return cls(json.loads((folder / "vocab.json").read_text()))
 
 
 class CharTokenizer(Tokenizer):
-    """One id per Unicode character of the raw text; ``\\n`` marks line ends and opens streams."""
+    r"""One id per Unicode character of the raw text; ``\n`` marks line ends and opens streams."""
     kind = "char"
 
     def __init__(self, vocab: list[str]):
@@ -110,7 +119,7 @@ class CharTokenizer(Tokenizer):
         return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
 
     @classmethod
-    def fit(cls, train_text: str) -> "CharTokenizer":
+    def fit(cls, train_text: str) -> CharTokenizer:
         values, counts = np.unique(cls._codepoints(train_text + "\n"), return_counts=True)
         ranked = values[np.argsort(-counts, kind="stable")]
         return cls([UNK] + [chr(int(c)) for c in ranked])
@@ -133,7 +142,7 @@ class CharTokenizer(Tokenizer):
         (folder / "vocab.json").write_text(json.dumps(self.vocab, ensure_ascii=False))
 
     @classmethod
-    def load(cls, folder: Path) -> "CharTokenizer":
+    def load(cls, folder: Path) -> CharTokenizer:
         return cls(json.loads((folder / "vocab.json").read_text()))
 
 
@@ -153,7 +162,7 @@ class HFTokenizer(Tokenizer):
         self.bos_id = ids[0]
 
     @classmethod
-    def train_bpe(cls, train_text: str, vocab_size: int) -> "HFTokenizer":
+    def train_bpe(cls, train_text: str, vocab_size: int) -> HFTokenizer:
         from tokenizers import Tokenizer as Backend
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -166,7 +175,7 @@ class HFTokenizer(Tokenizer):
         return cls(backend)
 
     @classmethod
-    def from_path(cls, path: str) -> "HFTokenizer":
+    def from_path(cls, path: str) -> HFTokenizer:
         from tokenizers import Tokenizer as Backend
 
         p = Path(path)
@@ -200,7 +209,7 @@ class HFTokenizer(Tokenizer):
         self.backend.save(str(folder / "tokenizer.json"))
 
     @classmethod
-    def load(cls, folder: Path) -> "HFTokenizer":
+    def load(cls, folder: Path) -> HFTokenizer:
         return cls.from_path(str(folder / "tokenizer.json"))
 
 
@@ -254,11 +263,11 @@ class TokenStore:
     def level(self) -> str:
         return self.manifest["config"]["tokenizer"]["kind"]
 
-    def split(self, name: str) -> np.memmap:
+    def split(self, name: str) -> np.ndarray:
         return open_array(self.path, name, self.manifest)
 
     @classmethod
-    def open(cls, path: str | Path) -> "TokenStore":
+    def open(cls, path: str | Path) -> TokenStore:
         path = Path(path)
         manifest = read_manifest(path, kind="tokens")
         tokenizer = TOKENIZERS[manifest["config"]["tokenizer"]["kind"]].load(path)

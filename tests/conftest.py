@@ -38,7 +38,12 @@ def wikitext_tokens(wikitext_root, tmp_path_factory):
                         data_dir=str(wikitext_root))
 
 
-def run_gnnlm(args: list[str], cwd: Path, timeout: int = 1800) -> subprocess.CompletedProcess:
+# The test pipeline's commands: its config is an overlay of the demo's configs.
+PIPELINE = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml",
+            "-c", "configs/tests/pipeline.yaml"]
+
+
+def run_gnnlm(args: list[str], cwd: Path, timeout: int = 2700) -> subprocess.CompletedProcess:
     """Run the ``gnnlm`` command in ``cwd`` (where ``configs/`` points at the repo's)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     result = subprocess.run([sys.executable, "-m", "gnnlm.cli", *args], cwd=cwd, env=env,
@@ -51,11 +56,12 @@ def run_gnnlm(args: list[str], cwd: Path, timeout: int = 1800) -> subprocess.Com
 
 @pytest.fixture(scope="session")
 def run_dir(wikitext_root, tmp_path_factory) -> Path:
-    """``gnnlm pipeline -c configs/tests/pipeline.yaml`` once per session, in a fresh folder."""
+    """The test pipeline once per session, in a fresh folder. It takes about 5 minutes on two
+    idle cores; the timeout leaves room for a machine loaded several times over."""
     cwd = tmp_path_factory.mktemp("pipeline")
     (cwd / "configs").symlink_to(REPO / "configs")
     os.environ["GNNLM_DATA"] = str(wikitext_root)
-    run_gnnlm(["pipeline", "-c", "configs/tests/pipeline.yaml"], cwd)
+    run_gnnlm(["pipeline", *PIPELINE], cwd)
     return cwd
 
 

@@ -8,13 +8,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_gnnlm
+from conftest import PIPELINE, run_gnnlm
 
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.datastore import build_features, features_dir, open_features
+from gnnlm.datastore import build_features, open_features
 from gnnlm.metrics import ppl_from_logprobs, unigram_logprobs
 from gnnlm.models import load_base_lm
 from gnnlm.tokens import TokenStore
+from gnnlm.workdir import Workdir
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def test_results_json_has_the_promised_fields(results):
 
 def test_base_lm_is_far_below_unigram_on_the_same_tokens(workdir):
     store = TokenStore.open(workdir / "tokens")
-    _, valid = open_features(features_dir(workdir, "valid"))
+    _, valid = open_features(Workdir(workdir).features("valid"))
     base = ppl_from_logprobs(np.asarray(valid["lm_logprob"]))
     unigram = ppl_from_logprobs(unigram_logprobs(store.split("train")[:300000],
                                                  valid["targets"], store.vocab_size))
@@ -70,21 +71,23 @@ def test_spalm_with_its_last_block_fine_tuned_beats_the_base_lm(results):
 
 
 def test_retrieval_windows_carry_the_datastore_s_tokens_and_neighbours(workdir):
-    from datamodules.features import FeatureBlocks
+    from datamodules.features import FeatureBlocks, NeighborValues
     from datamodules.retrieval_windows import RetrievalWindowsDataModule
 
-    data = RetrievalWindowsDataModule(workdir=str(workdir), neighbors="final-cos", k=4,
-                                      eval_batch_size=4)
+    data = RetrievalWindowsDataModule(workdir=str(workdir), key="final", metric="cos",
+                                      retrieved=4, eval_batch_size=4)
     assert (data.context, data.stride) == (64, 32)
     assert data.base_lm_fingerprint == load_base_lm(data.base_lm).fingerprint()
     batch = next(iter(data.test_dataloader()))
-    _, test = open_features(features_dir(workdir, "test"))
+    wd = Workdir(workdir)
+    _, test = open_features(wd.features("test"))
     positions = batch["positions"].flatten().numpy()
     np.testing.assert_array_equal(batch["target"].flatten().numpy(), test["targets"][positions])
-    blocks = FeatureBlocks(workdir, "test", "final", "final-cos", 4, block_size=10**6)
+    blocks = FeatureBlocks(wd, "test", "final", block_size=10**6,
+                           values=NeighborValues(wd, "final", "cos", "test", 4))
     np.testing.assert_array_equal(batch["nbr_values"].reshape(-1, 4).numpy(),
                                   blocks[0]["nbr_values"].numpy()[positions])
-    covered = read_manifest(workdir / "neighbors" / "final-cos" / "train")["n"]
+    covered = read_manifest(wd.neighbors("final", "cos", "train"))["n"]
     too_long = RetrievalWindowsDataModule(workdir=str(workdir), train_tokens=covered + 1)
     with pytest.raises(ValueError, match="cover only the first"):
         too_long.train_dataloader()
@@ -99,8 +102,8 @@ def test_every_row_scores_the_same_tokens(workdir, results):
 
 
 def test_no_train_neighbour_inside_the_leakage_window(workdir):
-    for tag in ("final-cos",):  # train queries are searched for the heads' key only
-        path = workdir / "neighbors" / tag / "train"
+    for key in ("final",):  # train queries are searched for the heads' key only
+        path = Workdir(workdir).neighbors(key, "cos", "train")
         manifest = read_manifest(path)
         ids = np.asarray(open_array(path, "ids")).astype(np.int64)
         t = np.arange(len(ids))[:, None]
@@ -113,7 +116,7 @@ def test_no_train_neighbour_inside_the_leakage_window(workdir):
 def test_train_graphs_have_no_node_inside_the_leakage_window(workdir):
     from datamodules.graph import GraphDataModule
 
-    dm = GraphDataModule(workdir=str(workdir), neighbors="final-cos")
+    dm = GraphDataModule(workdir=str(workdir), key="final", metric="cos")
     data = dm.dataset("train", k=8)
     W = dm.leakage_window
     for i in (0, 7, len(data) - 1):
@@ -127,21 +130,22 @@ def test_train_graphs_have_no_node_inside_the_leakage_window(workdir):
 def test_killed_features_build_resumes_to_the_same_bytes(workdir, tmp_path):
     model = load_base_lm(str(workdir / "heads" / "base_lm" / "model.ckpt"))
     store = TokenStore.open(workdir / "tokens")
-    done = read_manifest(features_dir(workdir, "valid"))
+    done = read_manifest(Workdir(workdir).features("valid"))
     args = dict(context=done["config"]["context"], stride=done["config"]["stride"],
                 max_tokens=done["config"]["max_tokens"], batch_size=16, chunk_windows=64)
-    assert build_features(model, store, "valid", tmp_path / "valid", stop_after_chunks=2,
-                          **args) == {}
-    assert not (tmp_path / "valid").exists() and (tmp_path / "valid.partial").exists()
-    build_features(model, store, "valid", tmp_path / "valid", **args)
-    fresh = tmp_path / "fresh"
-    build_features(model, store, "valid", fresh, **args)
+    killed, fresh = Workdir(tmp_path / "killed"), Workdir(tmp_path / "fresh")
+    assert build_features(model, store, killed, "valid", stop_after_chunks=2, **args) == {}
+    assert not killed.features("valid").exists()
+    assert killed.features("valid").with_name("valid.partial").exists()
+    build_features(model, store, killed, "valid", **args)
+    build_features(model, store, fresh, "valid", **args)
     for name in ("final", "att", "targets", "lm_logprob"):
-        assert (tmp_path / "valid" / f"{name}.bin").read_bytes() == \
-            (fresh / f"{name}.bin").read_bytes()
+        assert (killed.features("valid") / f"{name}.bin").read_bytes() == \
+            (fresh.features("valid") / f"{name}.bin").read_bytes()
     # and the chunk size does not change the features
-    np.testing.assert_allclose(open_array(fresh, "final"),
-                               open_array(features_dir(workdir, "valid"), "final"), atol=2e-3)
+    np.testing.assert_allclose(open_array(fresh.features("valid"), "final"),
+                               open_array(Workdir(workdir).features("valid"), "final"),
+                               atol=2e-3)
 
 
 def test_a_datastore_made_by_another_base_lm_is_refused_naming_both(workdir, tmp_path):
@@ -149,32 +153,23 @@ def test_a_datastore_made_by_another_base_lm_is_refused_naming_both(workdir, tmp
     with torch.no_grad():
         model.ln_f.bias.add_(0.1)
     model._fingerprint = None
+    wd = Workdir(workdir)
     with pytest.raises(ArtifactError, match=r"made by base LM .* not by .*"):
-        open_features(features_dir(workdir, "test"), expect_lm=model.identity())
-    # the features stage refuses to overwrite the other model's datastore too
+        open_features(wd.features("test"), expect_lm=model.identity())
+    # the features stage refuses to overwrite the other model's datastore too, naming both
     store = TokenStore.open(workdir / "tokens")
-    done = read_manifest(features_dir(workdir, "test"))
-    with pytest.raises(ArtifactError, match=done["inputs"]["base_lm_fingerprint"]):
-        build_features(model, store, "test", features_dir(workdir, "test"),
+    done = read_manifest(wd.features("test"))
+    with pytest.raises(ArtifactError, match=f"inputs.base_lm_fingerprint: \"?"
+                                            f"{done['inputs']['base_lm_fingerprint']}"):
+        build_features(model, store, wd, "test",
                        context=done["config"]["context"], stride=done["config"]["stride"],
                        max_tokens=done["config"]["max_tokens"])
 
 
-def test_bad_interpolation_settings_are_refused(workdir, run_dir):
-    from gnnlm.pipeline import load_config
-
-    cfg = load_config(["-c", str(REPO / "configs/tests/pipeline.yaml"), "--knn.lambda_=1.5"])
-    with pytest.raises(ValueError, match=r"\[0, 1\].*got \[1.5\]"):
-        cfg.knn.grid()
-    cfg = load_config(["-c", str(REPO / "configs/tests/pipeline.yaml"), "--knn.temperature=0"])
-    with pytest.raises(ValueError, match=r"> 0 \(got \[0.0\]\)"):
-        cfg.knn.grid()
-
-
 def test_k_larger_than_the_datastore_is_refused(workdir):
-    from gnnlm.index import Searcher, index_dir
+    from gnnlm.search import Searcher
 
-    searcher = Searcher.open(index_dir(workdir, "final-cos"))
+    searcher = Searcher.open(Workdir(workdir).index("final", "cos"))
     with pytest.raises(ValueError, match=f"datastore size {searcher.ntotal}"):
         searcher.search(np.zeros((1, searcher.d), dtype=np.float32), searcher.ntotal + 1)
     with pytest.raises(ValueError, match="dim"):
@@ -183,22 +178,24 @@ def test_k_larger_than_the_datastore_is_refused(workdir):
 
 def test_rerun_skips_every_stage_and_sweep_and_explain_work(run_dir, workdir, results):
     before = {p: p.stat().st_mtime for p in workdir.glob("*/**/manifest.json")}
-    out = run_gnnlm(["pipeline", "-c", "configs/tests/pipeline.yaml"], run_dir).stdout
+    out = run_gnnlm(["pipeline", *PIPELINE], run_dir).stdout
     assert "+GNN+kNN" in out
     assert {p: p.stat().st_mtime for p in workdir.glob("*/**/manifest.json")} == before
-    sweep = run_gnnlm(["sweep", "-c", "configs/tests/pipeline.yaml"], run_dir).stdout
+    sweep = run_gnnlm(["sweep", *PIPELINE], run_dir).stdout
     assert "best on valid" in sweep
     summary = json.loads((workdir / "reports" / "tests" / "sweep" / "sweep.json").read_text())
     assert summary["test_ppl"] == pytest.approx(results["ppl"]["knn"], rel=1e-4)
     assert (workdir / "reports" / "tests" / "sweep" / "sweep_heatmap.png").stat().st_size > 0
-    explained = run_gnnlm(["explain", "-c", "configs/tests/pipeline.yaml", "--text",
-                           "The game was released in", "--top", "2"], run_dir).stdout
+    explained = run_gnnlm(["explain", *PIPELINE, "--text", "The game was released in",
+                           "--top", "2"], run_dir).stdout
     assert explained.count("Extracted") == 2 and "[" in explained
 
 
 def test_ddp_fit_on_two_cpu_processes(run_dir, workdir):
     """GNN-LM training runs unchanged under DDP (gloo, 2 processes)."""
-    out = run_gnnlm(["fit", "-c", "configs/tests/tiny_gnn.yaml", "--trainer.strategy=ddp",
+    chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",
+             "configs/wikitext2/gnnlm_cpu.yaml", "configs/tests/tiny_gnn.yaml"]
+    out = run_gnnlm(["fit", *(a for c in chain for a in ("-c", c)), "--trainer.strategy=ddp",
                      "--trainer.devices=2", "--trainer.max_epochs=1",
                      "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=4",
                      f"--trainer.default_root_dir={run_dir / 'ddp'}",

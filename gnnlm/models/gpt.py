@@ -64,7 +64,9 @@ class CausalSelfAttention(nn.Module):
         full = h if h_mem is None else torch.cat([h_mem, h], dim=1)        # [B, M+T, d]
         q, k, v = self.qkv(full).split(d, dim=-1)
         q = q[:, M:]                                                        # queries: current only
-        heads = lambda t: t.view(B, t.shape[1], self.n_head, d // self.n_head).transpose(1, 2)
+        def heads(t: Tensor) -> Tensor:
+            return t.view(B, t.shape[1], self.n_head, d // self.n_head).transpose(1, 2)
+
         q, k, v = heads(q), heads(k), heads(v)                             # [B, H, *, Dh]
         positions = torch.arange(M + T, device=h.device)
         q = rotate(q, positions[M:], self.rope_base)

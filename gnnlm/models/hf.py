@@ -43,7 +43,7 @@ class HFCausalLM(BaseLM):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.hidden_size = model.get_output_embeddings().weight.shape[1]
         self.context_length = int(getattr(cfg, "n_positions", None)
-                                  or getattr(cfg, "max_position_embeddings"))
+                                  or cfg.max_position_embeddings)
         self._captured: Optional[Tensor] = None
         _last_block(model).mlp.register_forward_pre_hook(self._capture)
 
@@ -51,7 +51,7 @@ class HFCausalLM(BaseLM):
         self._captured = args[0]
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, **kwargs) -> "HFCausalLM":
+    def from_pretrained(cls, name_or_path: str, **kwargs) -> HFCausalLM:
         from transformers import AutoModelForCausalLM
 
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(name_or_path)

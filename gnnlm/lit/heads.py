@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 
 from gnnlm.heads import MultiEmbeddingSoftmax, SpalmGate
+from gnnlm.lit.base import TokenLevelModule
 from gnnlm.metrics import target_nll
 from gnnlm.models import load_base_lm
-from gnnlm.training import TokenLevelModule
 
 
 class GateHistogram:

@@ -13,8 +13,8 @@ from typing import Optional
 import pytorch_lightning as pl
 import torch
 
+from gnnlm.lit.optim import adamw_warmup_cosine
 from gnnlm.metrics import TokenNLL
-from gnnlm.optim import adamw_warmup_cosine
 
 
 class TokenLevelModule(pl.LightningModule):
@@ -96,11 +96,3 @@ class TokenLevelModule(pl.LightningModule):
         hp = self.hparams
         return adamw_warmup_cosine(self, self.named_parameters(), hp.lr, hp.weight_decay,
                                    hp.warmup_steps, hp.min_lr_ratio, hp.get("betas", (0.9, 0.95)))
-
-
-def datamodule_args(ckpt: str) -> dict:
-    """The data module's init arguments saved in a Lightning checkpoint (LightningCLI's own
-    bookkeeping keys, such as ``_class_path``, left out)."""
-    saved = torch.load(ckpt, map_location="cpu", weights_only=False).get(
-        "datamodule_hyper_parameters", {})
-    return {k: v for k, v in dict(saved).items() if not k.startswith("_")}

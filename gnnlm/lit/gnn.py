@@ -15,8 +15,8 @@ from torch.nn import functional as F
 
 from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA
+from gnnlm.lit.base import TokenLevelModule
 from gnnlm.metrics import target_nll
-from gnnlm.training import TokenLevelModule
 
 
 class GNNLM(TokenLevelModule):

@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
+from gnnlm.lit.base import TokenLevelModule
 from gnnlm.metrics import target_nll
 from gnnlm.models.gpt import GPT, GPTConfig
-from gnnlm.training import TokenLevelModule
 
 
 class LanguageModel(TokenLevelModule):

@@ -1,0 +1,139 @@
+"""Trained parts of the pipeline (the base LM and the heads), run through LightningCLI.
+
+Each becomes an artifact ``workdir.head(name)`` holding ``model.ckpt`` and, for heads, the
+per-token log-probabilities of the valid and test targets, so that every row of the report
+scores exactly the same tokens. This is the one module of the library that imports the Lightning
+glue (``gnnlm.lit``, ``datamodules``).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
+from gnnlm.checkpoints import datamodule_args, load_checkpoint
+from gnnlm.workdir import EVAL_SPLITS, Workdir
+
+
+def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
+                 predict: bool = True, rebuild: bool = False) -> dict:
+    """Train with ``gnnlm fit -c configs[0] -c configs[1] …`` into ``workdir.head(name)``
+    unless that is done already.
+
+    When the config's ``ModelCheckpoint`` monitors a metric, the weights are those of its best
+    checkpoint (a base LM trained too long on WikiText-2 overfits: the features and the report
+    then come from the best validation step, not the last).
+    """
+    from gnnlm.cli import lightning_main  # LightningCLI is slow to import; only needed here
+
+    out = workdir.head(name)
+    builder = ArtifactBuilder(out, kind="trained_model",
+                              config={"name": name,
+                                      "yaml": [Path(c).read_text() for c in configs]},
+                              inputs=inputs, rebuild=rebuild)
+    if builder.is_complete():
+        return read_manifest(out)
+    t0 = time.perf_counter()
+    with builder:
+        args = ["fit", *(arg for c in configs for arg in ("-c", c)),
+                f"--data.init_args.workdir={workdir.root}",
+                f"--trainer.default_root_dir={workdir.logs(name)}"]
+        cli = lightning_main(args)
+        restore_best_weights(cli)
+        cli.trainer.save_checkpoint(builder.file("model.ckpt"))
+        metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+        extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
+                 "metrics": metrics, "model_class": type(cli.model).__name__}
+        if predict:  # heads: per-token scores on exactly the report's tokens
+            for split in EVAL_SPLITS:
+                n = workdir.n_positions(split)
+                builder.array(f"{split}_logprob", np.float32, (n,))[...] = predict_logprobs(
+                    cli.model, cli.datamodule, split, n, cli.trainer.precision)
+            extra.update(predict_extras(cli.model))
+        return builder.finish(extra=extra)
+
+
+def restore_best_weights(cli) -> None:
+    """Load the monitored checkpoint callback's best weights into ``cli.model``, if any."""
+    callback = cli.trainer.checkpoint_callback
+    best = getattr(callback, "best_model_path", "") if callback is not None else ""
+    if callback is not None and callback.monitor and best:
+        cli.model.load_state_dict(load_checkpoint(best)["state_dict"])
+
+
+def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32-true"
+                     ) -> np.ndarray:
+    """Log p(target) for every position of ``split``, in position order, via ``predict`` (on one
+    device, with the training run's precision)."""
+    import pytorch_lightning as pl
+
+    datamodule.hparams.predict_split = split
+    trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, precision=precision)
+    outputs = trainer.predict(model, datamodule=datamodule)
+    positions = torch.cat([o["positions"] for o in outputs]).numpy()
+    logprob = np.full(n, np.nan, dtype=np.float32)
+    logprob[positions] = torch.cat([o["logprob"] for o in outputs]).numpy()
+    if len(positions) != n or np.isnan(logprob).any():
+        raise RuntimeError(f"predict on {split} scored {len(positions)} positions, expected each "
+                           f"of the {n} exactly once: the evaluation data module must partition "
+                           f"the split (no eval_tokens limit for reports).")
+    return logprob
+
+
+def predict_extras(model) -> dict:
+    """Per-model extras saved beside the scores (SPALM: gate values over the test split)."""
+    histogram = getattr(model, "gate_histogram", None)
+    if histogram is None:
+        return {}
+    counts = histogram.numpy()
+    centres = (np.arange(len(counts)) + 0.5) / len(counts)
+    return {"gate": {"histogram": counts.tolist(),
+                     "mean": float((counts * centres).sum() / max(counts.sum(), 1))}}
+
+
+def head_logprobs(workdir: Workdir, name: str, split: str) -> np.ndarray:
+    return np.asarray(open_array(workdir.head(name), f"{split}_logprob"))
+
+
+def memory_rows(workdir: Workdir, name: str) -> list[dict]:
+    """Transformer-XL short-term memory on and off: the memory LM trained as ``name`` on its
+    test split, served as contiguous segments of parallel streams; the memory is carried, or
+    dropped."""
+    import pytorch_lightning as pl
+
+    from datamodules.lm import LMDataModule
+
+    ckpt = workdir.head(name) / "model.ckpt"
+    model = load_language_model(ckpt)
+    data = LMDataModule(**{**datamodule_args(ckpt), "workdir": str(workdir.root),
+                           "segments": True})
+    memory = model.memory_length
+    rows = []
+    for length in (memory, 0):
+        model.memory_length = model.model.memory_length = length
+        trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        (metrics,) = trainer.test(model, datamodule=data, verbose=False)
+        rows.append({"row": f"Transformer-XL base LM, memory "
+                            f"{f'M = {length}' if length else 'off'}",
+                     "test_ppl": float(metrics["test/ppl"]),
+                     "tokens": int(metrics["test/tokens"]),
+                     "segment": data.hparams.block_size})
+    return rows
+
+
+def load_language_model(ckpt: str | Path, hparams: Optional[dict] = None):
+    """A ``gnnlm.lit.lm.LanguageModel`` from a checkpoint, read as plain data."""
+    from gnnlm.lit.lm import LanguageModel
+
+    checkpoint = load_checkpoint(ckpt)
+    saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items()
+             if not k.startswith("_")}
+    model = LanguageModel(**{**saved, **(hparams or {})})
+    model.load_state_dict(checkpoint["state_dict"])
+    return model.eval()

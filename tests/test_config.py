@@ -1,0 +1,60 @@
+"""gnnlm.config: settings are checked when a pipeline config loads, before any work."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import REPO
+
+from gnnlm.config import load_config, merged_yaml
+
+CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # configs name each other relative to the repository
+
+
+def test_overlays_merge_key_by_key():
+    cfg = load_config(CPU)
+    assert (cfg.name, cfg.neighbors.K, cfg.features.context) == ("wikitext2-cpu", 128, 128)
+    assert cfg.knn.keys == ["final", "att"] and cfg.knn.metric == "cos"  # from the base
+    assert cfg.heads()["gnn"][-1] == "configs/wikitext2/gnnlm_cpu.yaml"
+    merged = merged_yaml(cfg.heads()["gnn"])
+    assert merged["trainer"]["accelerator"] == "cpu"                     # the trainer preset
+    assert merged["model"]["init_args"]["num_layers"] == 3               # the base
+    assert merged["data"]["init_args"]["graph"]["k"] == 8                # the overlay
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--knn.lambda_=1.5", r"λ \(knn.lambda_\) must lie in \[0, 1\] \(got \[1.5\]\)"),
+    ("--knn.temperature=-0.1", r"must be a finite number > 0 \(got \[-0.1\]\)"),
+    ("--knn.k=1000", r"k = 1000 neighbours but neighbors.K = 128 are stored"),
+    ("--knn.metric=dot", r"metric must be one of \('cos', 'ip', 'l2'\) \(got 'dot'\)"),
+    ("--neighbors.K=0", r"neighbors.K must be >= 1 \(got 0\)"),
+])
+def test_bad_settings_are_refused_at_load(flag, message):
+    with pytest.raises((ValueError, SystemExit)) as info:
+        load_config([*CPU, flag])
+    text = str(info.value) if info.type is ValueError else str(info.value.__context__)
+    assert re.search(message, text), text
+
+
+def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
+    overlay = tmp_path / "l2.yaml"
+    overlay.write_text("data:\n  init_args:\n    metric: l2\n")
+    gnn = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",
+           "configs/wikitext2/gnnlm_cpu.yaml", str(overlay)]
+    with pytest.raises(ValueError, match=r"data.metric = 'l2'.*knn.metric = 'cos'"):
+        load_config([*CPU, f"--gnn.config={gnn}"])
+    with pytest.raises(ValueError, match=r"train_tokens = 100000 positions but only the first "
+                                         r"neighbors.train_queries = 5000"):
+        load_config([*CPU, "--neighbors.train_queries=5000"])
+    with pytest.raises(ValueError, match=r"keeps k = 8 neighbours per token but neighbors.K = 4"):
+        load_config([*CPU, "--neighbors.K=4", "--knn.ks=[4]"])
+
+
+def test_a_missing_head_config_is_refused():
+    with pytest.raises(FileNotFoundError, match="configs/nowhere.yaml does not exist"):
+        load_config([*CPU, "--spalm.config=configs/nowhere.yaml"])
