@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from gnnlm.artifacts import ArtifactBuilder
-from gnnlm.index import IndexConfig, Searcher, build_index, exact_search
+from gnnlm.index import IndexConfig, build_index
+from gnnlm.search import Searcher, exact_search
+from gnnlm.workdir import Workdir
 
 
 def synthetic_keys(n: int, d: int, centres: int, seed: int, rank: int = 8) -> np.ndarray:
@@ -85,15 +87,16 @@ def main() -> None:
     queries = synthetic_keys(args.queries, args.d, centres=max(1, args.n // 1000), seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        write_features(tmp / "train", keys)
+        workdir = Workdir(tmp)
+        write_features(workdir.features("train"), keys)
         t0 = time.perf_counter()
-        manifest = build_index(tmp / "train", tmp / "index", IndexConfig(
-            metric=args.metric, factory=args.factory, nprobe=args.nprobe, recall_queries=500))
+        manifest = build_index(workdir, "final", args.metric, IndexConfig(
+            factory=args.factory, nprobe=args.nprobe, recall_queries=500))
         print(f"index: {manifest['factory']} built in {time.perf_counter() - t0:.1f} s "
               f"(train {manifest['train_seconds']} s, add {manifest['add_seconds']} s), "
               f"recall {manifest['recall']}")
 
-        searcher = Searcher.open(tmp / "index")
+        searcher = Searcher.open(workdir.index("final", args.metric))
         raw_queries = queries.copy()
         if args.metric == "cos":
             faiss.normalize_L2(raw_queries)  # what Searcher does before calling faiss

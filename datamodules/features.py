@@ -40,7 +40,8 @@ class NeighborValues:
             self._arrays = (open_array(self.dir, "ids"),
                             open_features(self.workdir.features("train"))[1]["targets"])
         ids, targets = self._arrays
-        return torch.from_numpy(neighbor_values(ids[positions, : self.k], targets))
+        return torch.from_numpy(neighbor_values(ids[positions, : self.k], targets)
+                                .astype(np.int64))
 
 
 class FeatureBlocks(Dataset):

@@ -7,9 +7,10 @@ retrieved train positions, widened to windows p−l … p+r, become ``nbr`` node
 ``gnnlm pipeline`` under ``workdir``: the ``key`` features, their neighbours under ``metric``, and
 the PQ codes of the ``key`` features.
 
-Train graphs drop every neighbour-window node within the leakage window of its query
-(``|q − t| < W``), so no node has seen the target. Blocks partition each split, so evaluation
-scores every token exactly once, the same tokens as the base LM and kNN-LM.
+Train graphs follow the leakage rule of ``gnnlm.graph``: no node has read, or is, the target of
+any ctx token it can reach (retrieved tokens that would are replaced by the next of the K stored
+neighbours). Blocks partition each split, so evaluation scores every token exactly once, the
+same tokens as the base LM and kNN-LM.
 
 The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger k) is
 ``k_schedule``: ``[[0, 8], [2, 16]]`` uses k=8 from epoch 0 and k=16 from epoch 2; it needs
@@ -39,11 +40,11 @@ class GraphBlocks(Dataset):
     """Block i of a split → one HeteroData with node features ``x`` and ``ctx`` targets ``y``."""
 
     def __init__(self, workdir: Workdir, split: str, key: str, metric: str, node_features,
-                 block_size: int, graph: GraphConfig, exclude_radius: int,
+                 block_size: int, graph: GraphConfig, leakage_context: Optional[int],
                  max_tokens: Optional[int] = None):
         self.workdir, self.split, self.key = workdir, split, key
         self.node_features, self.block_size, self.graph = node_features, block_size, graph
-        self.exclude_radius = exclude_radius
+        self.leakage_context = leakage_context
         self.n_train = workdir.n_positions("train")
         self.nbr_dir = workdir.neighbors(key, metric, split)
         nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
@@ -69,8 +70,9 @@ class GraphBlocks(Dataset):
             self._open()
         ctx_feats, targets, ids = self._arrays
         ctx_pos = np.arange(i * self.block_size, min((i + 1) * self.block_size, self.n))
-        nbr_ids = np.asarray(ids[ctx_pos[0]: ctx_pos[-1] + 1, : self.graph.k], dtype=np.int64)
-        data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.exclude_radius)
+        # all K stored neighbours: leaky ones are skipped for the next (train graphs)
+        nbr_ids = np.asarray(ids[ctx_pos[0]: ctx_pos[-1] + 1], dtype=np.int64)
+        data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.leakage_context)
         data["ctx"].x = torch.from_numpy(np.asarray(ctx_feats[ctx_pos], dtype=np.float32))
         data["ctx"].y = torch.from_numpy(np.asarray(targets[ctx_pos], dtype=np.int64))
         data["nbr"].x = torch.from_numpy(self.node_features(data["nbr"].train_pos.numpy()))
@@ -87,9 +89,10 @@ class GraphDataModule(pl.LightningDataModule):
                  train_tokens: Optional[int] = None, eval_tokens: Optional[int] = None,
                  predict_split: str = "test"):
         """``key`` is the node feature and the retrieval key (GNN-LM uses ``final``), ``metric``
-        the similarity its neighbours were searched with. ``leakage_window`` defaults to the one
-        the neighbour files were masked with. ``train_tokens``/``eval_tokens`` keep split
-        prefixes."""
+        the similarity its neighbours were searched with. ``leakage_window`` (C, how many tokens
+        back a train feature has read) defaults to the one the neighbour files were masked with.
+        ``graph`` also chooses the inter edges (``inter``). ``train_tokens``/``eval_tokens`` keep
+        split prefixes."""
         super().__init__()
         self.save_hyperparameters()
         self.graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
@@ -128,6 +131,8 @@ class GraphDataModule(pl.LightningDataModule):
 
     @property
     def leakage_window(self) -> int:
+        """C of the leakage rule: how many tokens back a train feature has read (default: the
+        W the train neighbours were masked with, the features' context length)."""
         return (self.hparams.leakage_window if self.hparams.leakage_window is not None
                 else self.train_neighbors["leakage_window"])
 
@@ -137,7 +142,7 @@ class GraphDataModule(pl.LightningDataModule):
         limit = hp.train_tokens if split == "train" else hp.eval_tokens
         return GraphBlocks(self.workdir, split, hp.key, hp.metric, self.node_features(),
                            hp.block_size, graph,
-                           self.leakage_window if split == "train" else 0, limit)
+                           self.leakage_window if split == "train" else None, limit)
 
     # -- loaders ---------------------------------------------------------------------------
     def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:

@@ -71,6 +71,10 @@ def locate_corpus(name: str, path: str | os.PathLike | None = None,
     looked: list[str] = []
     candidates: list[Path] = []
     if path is not None:
+        # an explicit path that is wrong must stop the run, never fall back to another corpus
+        if not Path(path).exists():
+            raise CorpusNotFoundError(f"Corpus path {path} does not exist: point corpus_path "
+                                      f"at the folder holding train.txt, valid.txt, test.txt.")
         candidates += [Path(path), Path(path) / name]
     data_dir = data_dir or os.environ.get("GNNLM_DATA")
     if data_dir:
@@ -83,8 +87,9 @@ def locate_corpus(name: str, path: str | os.PathLike | None = None,
         looked.append(str(folder))
         if folder.is_dir() and (files := split_files(folder)):
             return files
-    if path is not None and not Path(path).exists():
-        raise CorpusNotFoundError(f"Corpus path {path} does not exist.")
+    if path is not None:
+        raise CorpusNotFoundError(f"Corpus path {path} holds no {name} corpus: expected "
+                                  f"train/valid/test text files in {path} or {Path(path) / name}.")
     offline = any(os.environ.get(v) == "1" for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
     if name not in HF_DATASETS:
         raise CorpusNotFoundError(

@@ -2,8 +2,14 @@
 
 ``GNNLMConv`` is the self-attention augmented layer of GNN-LM (Meng et al. 2022, §2.3, eq. 1–4),
 an HGT-style layer (Hu et al. 2020) whose relation matrices are shared by relation (``intra``,
-``inter``) rather than by full edge type, with a plain residual. ``HGTLayer`` wraps PyG's
-``HGTConv`` behind the same call so the two can be compared. ``GNNStack`` applies either in turn.
+``inter``) rather than by full edge type, with a plain residual. It is the reference
+implementation, by message passing over any graph; ``gnnlm.gnn_dense`` computes the same layer on
+the retrieval graph's regular layout, far faster. ``HGTLayer`` wraps PyG's ``HGTConv`` behind the
+same call so the two can be compared. ``GNNStack`` applies either in turn.
+
+Two options follow the reference implementation (ShannonAI/GNN-LM) rather than the paper's
+equations: ``edge_aggr="mean"`` averages the messages of the edge types that reach a node instead
+of summing them, and ``norm="post"`` adds a LayerNorm after each layer's residual.
 
 Every layer maps ``x_dict`` to a dict with the same node types and shapes: node types that
 receive no edge (or have no nodes) keep their representation, so a stack never loses a type.
@@ -28,6 +34,13 @@ def _check_sizes(channels: int, heads: int, dropout: float) -> None:
                          f"(got channels={channels}, heads={heads}).")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must lie in [0, 1) (got {dropout}).")
+
+
+def _check_options(norm: str, edge_aggr: str) -> None:
+    if norm not in ("none", "pre", "post"):
+        raise ValueError(f"norm must be 'none', 'pre' or 'post' (got {norm!r}).")
+    if edge_aggr not in ("sum", "mean"):
+        raise ValueError(f"edge_aggr must be 'sum' or 'mean' (got {edge_aggr!r}).")
 
 
 def _check_inputs(metadata: Metadata, x_dict: dict[NodeType, Tensor],
@@ -63,7 +76,8 @@ class GNNLMConv(MessagePassing):
             + h_n                                                       \quad (4), (1)
 
     The softmax runs over the incoming edges of one edge type (eq. 2's Z); messages are summed
-    over edge types. τ is the node type, φ(e) the relation (``intra``/``inter``): W^ATT and
+    over edge types (``edge_aggr="sum"``, eq. 4's ⊕) or averaged over the edge types that reach
+    the node (``"mean"``). τ is the node type, φ(e) the relation (``intra``/``inter``): W^ATT and
     W^FEA are shared by ``("ctx","intra","ctx")`` and ``("nbr","intra","nbr")``, while the prior
     μ has one value per head for each (source type, relation, target type).
 
@@ -75,20 +89,26 @@ class GNNLMConv(MessagePassing):
         metadata: ``(node_types, edge_types)``, e.g. ``gnnlm.graph.METADATA``.
         heads: attention heads; must divide ``channels``.
         dropout: on the attention weights and on the layer's update before the residual.
-        layer_norm: pre-norm, per node type, of the inputs to W^q, W^k, W^v. The residual adds
-            the raw input, so the stream that reaches the frozen output embedding is never
-            normalised by the GNN (and a zero update is still the identity).
+        norm: ``"none"`` (the paper's eq. 1); ``"pre"``, a LayerNorm per node type on the inputs
+            to W^q, W^k, W^v, the residual adding the raw input, so the stream that reaches the
+            frozen output embedding is never normalised by the GNN (and a zero update is still
+            the identity); ``"post"``, a LayerNorm per node type after the residual (the
+            reference implementation; the layer is then not the identity at initialisation).
+        edge_aggr: ``"sum"`` or ``"mean"`` over edge types (see above).
         zero_init_output: start W^o (weight and bias) at zero, so the layer — and a stack of
-            them — is exactly the identity at initialisation and a GNN-LM starts at the base
-            LM's distribution instead of a random perturbation of it. W^o receives gradient at
-            once; the other weights do from the first step that moves W^o.
+            them — is exactly the identity at initialisation (without ``norm="post"``) and a
+            GNN-LM starts at the base LM's distribution instead of a random perturbation of it.
+            W^o receives gradient at once; the other weights do from the first step that
+            moves W^o.
     """
 
     def __init__(self, channels: int, metadata: Metadata, heads: int = 4, dropout: float = 0.0,
-                 layer_norm: bool = False, zero_init_output: bool = True,
+                 norm: str = "none", edge_aggr: str = "sum", zero_init_output: bool = True,
                  out_types: Optional[Sequence[NodeType]] = None):
         super().__init__(aggr="add", node_dim=0)
         _check_sizes(channels, heads, dropout)
+        _check_options(norm, edge_aggr)
+        self.norm_mode, self.edge_aggr = norm, edge_aggr
         node_types, edge_types = metadata
         self.channels, self.heads, self.head_dim = channels, heads, channels // heads
         self.dropout, self.zero_init_output = dropout, zero_init_output
@@ -111,8 +131,9 @@ class GNNLMConv(MessagePassing):
         self.k_lin = per_node_type(sources, bias=False)
         self.v_lin = per_node_type(sources)
         self.o_lin = per_node_type(self.out_types)
-        self.norm = nn.ModuleDict({t: nn.LayerNorm(channels) for t in node_types}) \
-            if layer_norm else None
+        norm_types = node_types if norm == "pre" else self.out_types
+        self.norm = nn.ModuleDict({t: nn.LayerNorm(channels) for t in norm_types}) \
+            if norm != "none" else None
         shape = (heads, self.head_dim, self.head_dim)
         self.w_att = nn.ParameterDict({rel: nn.Parameter(torch.empty(shape)) for rel in relations})
         self.w_fea = nn.ParameterDict({rel: nn.Parameter(torch.empty(shape)) for rel in relations})
@@ -147,11 +168,12 @@ class GNNLMConv(MessagePassing):
         targets = set(self.out_types) & set(x_dict)
         edges = {e: ei for e, ei in edge_index_dict.items() if e[2] in targets}
         sources = {e[0] for e in edges}
-        h = {t: self.norm[t](x) for t, x in x_dict.items()} if self.norm is not None else x_dict
+        h = self.pre_norm(x_dict)
         q = {t: self.q_lin[t](h[t]).view(-1, H, D) for t in targets}    # [N_t, H, D]
         k = {t: self.k_lin[t](h[t]).view(-1, H, D) for t in sources}
         v = {t: self.v_lin[t](h[t]).view(-1, H, D) for t in sources}
         agg = {t: x_dict[t].new_zeros(x_dict[t].shape[0], H, D) for t in targets}
+        reached = {t: x_dict[t].new_zeros(x_dict[t].shape[0]) for t in targets}  # edge types
 
         for edge_type, edge_index in edges.items():
             src, rel, dst = edge_type
@@ -160,11 +182,29 @@ class GNNLMConv(MessagePassing):
             agg[dst] = agg[dst] + self.propagate(
                 edge_index, key=key, query=q[dst], feat=feat, mu=self.mu["__".join(edge_type)],
                 size=(key.shape[0], q[dst].shape[0]))                      # [N_dst, H, D]
+            hit = torch.zeros_like(reached[dst], dtype=torch.bool)
+            hit[edge_index[1]] = True
+            reached[dst] = reached[dst] + hit
 
         out = dict(x_dict)
         for t in targets:
+            if self.edge_aggr == "mean":
+                agg[t] = agg[t] / reached[t].clamp(min=1)[:, None, None]
             update = self.o_lin[t](agg[t].reshape(-1, self.channels))      # eq. 4 [N_t, d]
-            out[t] = x_dict[t] + F.dropout(update, self.dropout, self.training)  # eq. 1
+            out[t] = self.residual(t, x_dict[t], update)                   # eq. 1
+        return out
+
+    def pre_norm(self, x_dict: dict[NodeType, Tensor]) -> dict[NodeType, Tensor]:
+        """The inputs of W^q, W^k, W^v: normalised with ``norm="pre"``, else as given."""
+        if self.norm is None or self.norm_mode != "pre":
+            return x_dict
+        return {t: self.norm[t](x) for t, x in x_dict.items()}
+
+    def residual(self, node_type: NodeType, x: Tensor, update: Tensor) -> Tensor:
+        """Eq. 1: h + dropout(update), then the post-norm when asked for."""
+        out = x + F.dropout(update, self.dropout, self.training)
+        if self.norm is not None and self.norm_mode == "post":
+            out = self.norm[node_type](out)
         return out
 
     def message(self, key_j: Tensor, query_i: Tensor, feat_j: Tensor, mu: Tensor, index: Tensor,
@@ -230,22 +270,31 @@ class GNNStack(nn.Module):
     ``readout``: the node types read after the stack (GNN-LM: ``("ctx",)``). The last GNNLMConv
     then updates only those, so it has no parameter that the loss does not reach (which DDP
     requires) and skips the work on ``nbr`` targets. HGTConv always updates every type: under
-    DDP use ``strategy=ddp_find_unused_parameters_true`` with ``kind="hgt"``.
+    DDP use ``strategy=ddp_find_unused_parameters_true`` with ``kind="hgt"``. ``norm`` and
+    ``edge_aggr`` are GNNLMConv's (HGTLayer takes ``norm="pre"`` or ``"none"``, and sums).
+
+    ``forward`` passes messages over any ``edge_index_dict``; ``forward_dense`` computes the same
+    stack on the regular layout of ``gnnlm.gnn_dense`` (``kind="gnnlm"`` only).
     """
 
     def __init__(self, channels: int, metadata: Metadata, num_layers: int = 3, heads: int = 4,
-                 dropout: float = 0.0, layer_norm: bool = False, kind: str = "gnnlm",
-                 zero_init_output: bool = True, readout: Optional[Sequence[NodeType]] = None):
+                 dropout: float = 0.0, norm: str = "none", edge_aggr: str = "sum",
+                 kind: str = "gnnlm", zero_init_output: bool = True,
+                 readout: Optional[Sequence[NodeType]] = None):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1 (got {num_layers}).")
         if kind not in ("gnnlm", "hgt"):
             raise ValueError(f"kind must be 'gnnlm' or 'hgt' (got {kind!r}).")
+        _check_options(norm, edge_aggr)
+        if kind == "hgt" and (norm == "post" or edge_aggr == "mean"):
+            raise ValueError(f"kind='hgt' (PyG HGTConv) sums edge types and takes norm 'none' or "
+                             f"'pre' (got norm={norm!r}, edge_aggr={edge_aggr!r}).")
         self.kind = kind
         self.layers = nn.ModuleList(
-            GNNLMConv(channels, metadata, heads, dropout, layer_norm, zero_init_output,
+            GNNLMConv(channels, metadata, heads, dropout, norm, edge_aggr, zero_init_output,
                       out_types=readout if i == num_layers - 1 else None)
-            if kind == "gnnlm" else HGTLayer(channels, metadata, heads, dropout, layer_norm)
+            if kind == "gnnlm" else HGTLayer(channels, metadata, heads, dropout, norm == "pre")
             for i in range(num_layers))
 
     def reset_parameters(self) -> None:
@@ -257,3 +306,14 @@ class GNNStack(nn.Module):
         for layer in self.layers:
             x_dict = layer(x_dict, edge_index_dict)
         return x_dict
+
+    def forward_dense(self, ctx: Tensor, nbr: Tensor, graph) -> tuple[Tensor, Tensor]:
+        """The stack on ``ctx`` [B, T, d] and ``nbr`` [B, T, k, w, d] of a
+        ``gnnlm.gnn_dense.DenseGraph``; returns both after the last layer."""
+        from gnnlm.gnn_dense import conv_dense
+
+        if self.kind != "gnnlm":
+            raise ValueError(f"the dense path computes GNNLMConv layers (got kind={self.kind!r}).")
+        for layer in self.layers:
+            ctx, nbr = conv_dense(cast(GNNLMConv, layer), ctx, nbr, graph)
+        return ctx, nbr

@@ -14,13 +14,23 @@ and three edge types (PyG convention: ``edge_index[0]`` = source, ``edge_index[1
   a graph); ``GraphConfig.ctx_window = w`` keeps only i − w < j ≤ i;
 - ``("nbr", "intra", "nbr")``: between nodes at adjacent offsets of one window, both directions,
   plus a self loop on every nbr node so each one receives a message in every layer;
-- ``("nbr", "inter", "ctx")``: every node of a window → the ctx node that retrieved it.
+- ``("nbr", "inter", "ctx")``: every node of a window → the ctx node that retrieved it (the
+  paper's Figure 1, ``GraphConfig.inter = "window"``), or only the retrieved token, the window's
+  other nodes reaching the context through it (the reference implementation,
+  ``inter = "retrieved"``).
 
-Leakage (§3.1 "Data Leakage Prevention"): for train-split graphs ``exclude_radius = W`` drops
-every window node q with |q − t| < W, t the split position of the token that retrieved it. The
-neighbour file already masks retrieved positions p, but widening p to p±1 can step back inside.
-A window cut by clipping to [0, n_train) or by this rule keeps its surviving nodes, and only
-nodes adjacent in position and both present are joined.
+Leakage (§3.1 "Data Leakage Prevention"), for train-split graphs only (the datastore is the train
+split, so a valid/test query cannot meet its own text). A feature at train position q was
+computed from the C tokens before its target and predicts target q, so it has read, or is, the
+target of every position t with q − C ≤ t ≤ q. Information flows nbr → ctx (inter edges) and
+ctx j → ctx i for j ≤ i (causal edges), so a window node retrieved by ctx token j reaches j and,
+one hop further, every later token of the block. ``build_graph(..., leakage_context=C)`` therefore
+drops every window node q that has read the target t_i of any ctx token i ≥ j it can reach:
+∃ i ≥ j with q − C ≤ t_i ≤ q. Retrieved tokens that fall under this rule are skipped and the
+next of the K stored neighbours take their place, so a token keeps k windows when it can; window
+mates that fall under it are dropped alone, and only nodes adjacent in position and both present
+are joined. (With ``ctx_window`` or a single layer the reach is smaller and the rule is
+conservative.)
 
 Datastore positions are plain node attributes (``split_pos``, ``train_pos``): no name contains
 ``index`` or ``batch``, which PyG would offset when batching, nor ``pos``, which it treats as
@@ -29,6 +39,7 @@ coordinates. Building is numpy on [T, k, l+r+1] arrays: no loop per token or per
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -45,11 +56,13 @@ METADATA = (NODE_TYPES, EDGE_TYPES)  # what PyG layers take as ``metadata``
 
 @dataclass
 class GraphConfig:
-    """Window sizes and neighbour count (paper defaults: l = r = 1, k = 128 of K = 1024)."""
+    """Window sizes, neighbour count and inter edges (paper defaults: l = r = 1, k = 128 of
+    K = 1024, every window node linked to the context)."""
     left: int = 1
     right: int = 1
     k: int = 32
-    ctx_window: int | None = None
+    ctx_window: Optional[int] = None
+    inter: Literal["window", "retrieved"] = "window"
 
     def __post_init__(self):
         if self.left < 0 or self.right < 0:
@@ -59,6 +72,9 @@ class GraphConfig:
             raise ValueError(f"k must be at least 1 (got {self.k}).")
         if self.ctx_window is not None and self.ctx_window < 1:
             raise ValueError(f"ctx_window must be None or at least 1 (got {self.ctx_window}).")
+        if self.inter not in ("window", "retrieved"):
+            raise ValueError(f"inter must be 'window' (every window node → its ctx token) or "
+                             f"'retrieved' (only the retrieved token) (got {self.inter!r}).")
 
     @property
     def width(self) -> int:
@@ -76,7 +92,7 @@ def graph_sizes(T: int, config: GraphConfig) -> dict:
         "nbr": n_nbr,
         CTX_INTRA: T * w - w * (w - 1) // 2,  # target i has min(i + 1, w) sources
         NBR_INTRA: n_nbr + 2 * T * config.k * (config.width - 1),
-        NBR_INTER: n_nbr,
+        NBR_INTER: n_nbr if config.inter == "window" else T * config.k,
     }
 
 
@@ -84,24 +100,53 @@ def _edges(src: np.ndarray, dst: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.stack([src, dst]).astype(np.int64))  # [2, E]
 
 
+def leaky(q: np.ndarray, owner: np.ndarray, ctx_pos: np.ndarray, context: int) -> np.ndarray:
+    """bool, per window node: has train position ``q`` (retrieved for ctx row ``owner``) read, or
+    is it, the target of a ctx token it can reach, i.e. ∃ i ≥ owner: q − C ≤ ctx_pos[i] ≤ q.
+
+    ``ctx_pos`` must increase; broadcasting shapes of ``q`` and ``owner`` are kept.
+    """
+    T = len(ctx_pos)
+    # the first ctx row i ≥ owner whose target is ≥ q − C; it leaks if that target is ≤ q
+    first = np.maximum(np.searchsorted(ctx_pos, q - context, side="left"), owner)
+    return (first < T) & (ctx_pos[np.minimum(first, T - 1)] <= q)
+
+
+def select_neighbors(nbr_ids: np.ndarray, k: int, keep: Optional[np.ndarray] = None
+                     ) -> np.ndarray:
+    """The first k ids of each row [T, K] that exist and are kept (-1 padded), order preserved."""
+    ok = nbr_ids >= 0
+    if keep is not None:
+        ok &= keep
+    order = np.argsort(~ok, axis=1, kind="stable")[:, :k]               # kept ones first
+    chosen = np.take_along_axis(nbr_ids, order, axis=1)
+    chosen[~np.take_along_axis(ok, order, axis=1)] = -1
+    if chosen.shape[1] < k:
+        chosen = np.pad(chosen, ((0, 0), (0, k - chosen.shape[1])), constant_values=-1)
+    return chosen
+
+
 def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
-                exclude_radius: int = 0) -> HeteroData:
+                leakage_context: Optional[int] = None) -> HeteroData:
     """The graph of one block of T target tokens.
 
     Args:
-        ctx_pos: int [T], split positions of the block's target tokens, in sequence order
-            (causal edges follow this row order; gaps between positions are allowed).
+        ctx_pos: int [T], split positions of the block's target tokens, increasing (causal
+            edges follow this row order; gaps between positions are allowed).
         nbr_ids: int [T, K], retrieved train positions, best first, -1 = none. The first
-            ``config.k`` columns are used.
+            ``config.k`` usable ones are used.
         n_train: train datastore size; windows are clipped to [0, n_train).
-        config: window sizes, k and the ctx window.
-        exclude_radius: W > 0 for train-split graphs: drop window nodes q with |q − t| < W.
+        config: window sizes, k, the ctx window and the inter edges.
+        leakage_context: C for train-split graphs (the context length the features were
+            computed with): drop every node that has read a reachable ctx token's target (see
+            the module docstring). None for valid/test graphs.
 
     Node attributes (all int64): ``ctx.split_pos`` [T]; ``nbr.train_pos``, ``nbr.offset``
-    (−l … r, 0 = the retrieved token), ``nbr.rank`` (0 … k−1) and ``nbr.owner_local`` (the ctx
-    row that retrieved it), each [n_nbr]. ``owner_local`` is per graph: PyG does not offset it
-    when batching; after batching use ``edge_index[1]`` of ``("nbr", "inter", "ctx")``, whose
-    e-th edge starts at nbr node e.
+    (−l … r, 0 = the retrieved token), ``nbr.rank`` (0 … k−1, the window's slot) and
+    ``nbr.owner_local`` (the ctx row that retrieved it), each [n_nbr]. ``owner_local`` is per
+    graph: PyG does not offset it when batching; after batching use ``ctx.batch`` and
+    ``nbr.batch``. The graph also carries ``windows_masked`` (retrieved tokens the leakage rule
+    replaced by later neighbours) and ``nodes_masked`` (window mates it dropped).
     """
     ctx_pos = np.asarray(ctx_pos, dtype=np.int64)
     nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
@@ -110,8 +155,10 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     T = ctx_pos.shape[0]
     if nbr_ids.ndim != 2 or nbr_ids.shape[0] != T:
         raise ValueError(f"nbr_ids must be [T, K] with T = {T} (got shape {nbr_ids.shape}).")
-    if exclude_radius < 0:
-        raise ValueError(f"exclude_radius must be non-negative (got {exclude_radius}).")
+    if T > 1 and np.any(np.diff(ctx_pos) <= 0):
+        raise ValueError("ctx_pos must increase (the block's tokens in sequence order).")
+    if leakage_context is not None and leakage_context < 0:
+        raise ValueError(f"leakage_context must be >= 0 or None (got {leakage_context}).")
     if nbr_ids.size and (nbr_ids.min() < -1 or nbr_ids.max() >= n_train):
         raise ValueError(f"nbr_ids must lie in [-1, n_train = {n_train}) "
                          f"(got {nbr_ids.min()} … {nbr_ids.max()}).")
@@ -122,22 +169,36 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     ctx_src = ctx_dst - np.arange(w)[None, :]                          # [T, w]
     causal = ctx_src >= 0
 
+    # the k windows per token: retrieved tokens that leak are skipped for the next ones
+    rows = np.arange(T)[:, None]
+    usable = None
+    windows_masked = 0
+    if leakage_context is not None:
+        usable = ~leaky(nbr_ids, np.broadcast_to(rows, nbr_ids.shape), ctx_pos, leakage_context)
+        unmasked = select_neighbors(nbr_ids, config.k)
+        windows_masked = int(((unmasked >= 0) & leaky(
+            unmasked, np.broadcast_to(rows, unmasked.shape), ctx_pos, leakage_context)).sum())
+    ids = select_neighbors(nbr_ids, config.k, usable)                  # [T, k]
+
     # neighbour windows, laid out [T, k, width]: node ids follow this row-major order
-    ids = nbr_ids[:, :config.k]                                        # [T, k]
     offsets = np.arange(-config.left, config.right + 1)                # [width]
     q = ids[:, :, None] + offsets                                      # [T, k, width]
     keep = (ids[:, :, None] >= 0) & (q >= 0) & (q < n_train)           # [T, k, width]
-    if exclude_radius > 0:
-        keep &= np.abs(q - ctx_pos[:, None, None]) >= exclude_radius
+    nodes_masked = 0
+    if leakage_context is not None:
+        masked = keep & leaky(q, rows[:, :, None], ctx_pos, leakage_context)
+        nodes_masked = int(masked.sum())
+        keep &= ~masked
     node = (np.cumsum(keep) - 1).reshape(keep.shape)                   # [T, k, width]
     owner, rank, slot = np.nonzero(keep)                               # each [n_nbr]
     n_nbr = owner.shape[0]
 
     # adjacent slots of one window are adjacent train positions: join those both kept
     pair = keep[..., :-1] & keep[..., 1:]                              # [T, k, width-1]
-    left_node = node[..., :-1][pair]                                  # [n_pairs]
-    right_node = node[..., 1:][pair]                                  # [n_pairs]
+    left_node = node[..., :-1][pair]                                   # [n_pairs]
+    right_node = node[..., 1:][pair]                                   # [n_pairs]
     loops = np.arange(n_nbr)
+    inter = loops if config.inter == "window" else loops[offsets[slot] == 0]
 
     data = HeteroData()
     data["ctx"].num_nodes = T
@@ -150,5 +211,8 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     data[CTX_INTRA].edge_index = _edges(ctx_src[causal], ctx_dst[causal])
     data[NBR_INTRA].edge_index = _edges(np.concatenate([loops, left_node, right_node]),
                                         np.concatenate([loops, right_node, left_node]))
-    data[NBR_INTER].edge_index = _edges(loops, owner)
+    data[NBR_INTER].edge_index = _edges(inter, owner[inter])
+    # leakage statistics: retrieved tokens replaced by later neighbours, window mates dropped
+    data.windows_masked = windows_masked
+    data.nodes_masked = nodes_masked
     return data

@@ -161,7 +161,9 @@ def _knn_logprob_prefixes(sims: torch.Tensor, hits: torch.Tensor, ks: Sequence[i
         run_max, start = new_max, k
         out[:, i] = torch.where(hit > 0, torch.log(hit) - torch.log(total), -math.inf)
     k_idx = torch.tensor(ks) - 1
-    underflow = (first_hit[:, None] <= k_idx[None]) & torch.isneginf(out)  # a hit, yet 0
+    # a hit, yet its sum is 0 or denormal (imprecise): a hit ~87·T or more below the best
+    tiny = torch.finfo(torch.float32).tiny
+    underflow = (first_hit[:, None] <= k_idx[None]) & (out <= math.log(tiny) + 1e-3)
     if bool(underflow.any()):
         rows = underflow.any(dim=1).nonzero().squeeze(1)
         x = sims[rows] / temperature

@@ -7,11 +7,13 @@ For split s, ``workdir.neighbors(key, metric, s)`` holds, per position t:
   of Xu et al. §5.1; higher is better, l2 = negative squared distance), -inf where ids is -1.
 
 Queries are the split's features of the index's key type. The datastore holds train positions
-only, so train queries would find their own future: for ``split == "train"`` every neighbour p
-with |p - t| < W is dropped (W defaults to the base LM's context length, passed by the
-caller). At most 2W - 1 keys lie in that window, so train queries search
-``K + 2W - 1`` candidates and keep the first K unmasked ones: the result never holds a masked
-position and never has fewer than K neighbours for lack of width. The manifest records
+only, so train queries would find their own future. A feature at train position p was computed
+from the W tokens before its target (W: the features' context length) and predicts target p, so
+it has read, or is, the target of every position t with p − W ≤ t ≤ p. For ``split == "train"``
+every neighbour p with t ≤ p ≤ t + W is therefore dropped: it has read the query's target
+(GNN-LM §3.1, "Data Leakage Prevention"). At most W + 1 keys lie in that window, so train queries
+search ``K + W + 1`` candidates and keep the first K unmasked ones: the result never holds a
+masked position and never has fewer than K neighbours for lack of width. The manifest records
 ``masked_fraction`` (dropped / retrieved candidates) and ``masked_fraction_top_k`` (the share of
 the unmasked search's top K that leakage removed). Valid/test queries are not masked.
 
@@ -38,10 +40,9 @@ from gnnlm.workdir import Workdir
 class NeighborsConfig:
     """Retrieval for every position.
 
-    ``leakage_window`` is W for train queries; None takes the ``leakage_window`` argument of
-    ``build_neighbors``, which the pipeline sets to the base LM's context length (a train
-    position's feature has seen at most that many tokens before it, and its value is the next
-    token, so nearer positions share its future). 0 disables masking (an ablation only).
+    ``leakage_window`` is W for train queries: how many tokens back a feature has read; None
+    takes the ``leakage_window`` argument of ``build_neighbors``, which the pipeline sets to the
+    features' context length. 0 disables masking (an ablation only).
     ``train_queries`` retrieves for the first N train positions only (the prefix that heads
     train on; the datastore itself stays whole); valid and test always get every position.
     """
@@ -69,13 +70,15 @@ class NeighborsConfig:
 
 def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, window: int, K: int
                  ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-    """Drop candidates p with |p - t| < window and keep the first K others, order preserved.
+    """Drop candidates p with t ≤ p ≤ t + window (they have read the target t) and keep the
+    first K others, order preserved.
 
     ``sims``/``ids`` [n, width] best first, ``positions`` [n] the query positions t.
     Returns ``(sims [n, K], ids [n, K], counts)``; missing slots are -1 / -inf.
     """
     valid = ids >= 0                                                   # [n, width]
-    masked = valid & (np.abs(ids - positions[:, None]) < window)
+    ahead = ids - positions[:, None]                                   # [n, width]
+    masked = valid & (ahead >= 0) & (ahead <= window)
     keep = valid & ~masked
     # A stable sort of "not kept" moves kept candidates to the front in their search order.
     order = np.argsort(~keep, axis=1, kind="stable")[:, :K]            # [n, K]
@@ -132,7 +135,7 @@ def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
     if config.K > ntotal:
         raise ValueError(f"neighbors.K must not exceed the datastore size {ntotal} "
                          f"(got {config.K}): lower K or build a larger datastore.")
-    width = min(config.K + 2 * window - 1, ntotal) if masked and window > 0 else config.K
+    width = min(config.K + window + 1, ntotal) if masked and window > 0 else config.K
     out_dir = workdir.neighbors(key, metric, split)
     builder = ArtifactBuilder(
         out_dir, kind="neighbors",

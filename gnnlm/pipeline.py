@@ -155,7 +155,9 @@ def run(cfg: PipelineConfig) -> dict:
     workdir.root.mkdir(parents=True, exist_ok=True)
     model, store, base_manifest, location = stage_base_lm(cfg, workdir)
     feature_manifests = stage_features(cfg, model, store, workdir, location)
-    leakage_window = cfg.neighbors.leakage_window or model.context_length
+    # a train feature has read this many tokens back: the leakage rule's window
+    leakage_window = cfg.neighbors.leakage_window or feature_manifests["train"]["config"][
+        "context"]
     scores: dict[str, dict[str, np.ndarray]] = {
         "base": {s: np.asarray(open_array(workdir.features(s), "lm_logprob"))
                  for s in EVAL_SPLITS}}

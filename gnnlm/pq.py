@@ -35,7 +35,8 @@ class PQConfig:
 def codec_factory(d: int, m: int, opq: bool) -> str:
     if m <= 0 or d % m:
         raise ValueError(f"PQ needs m dividing the feature dimension {d} (got m={m}).")
-    return f"OPQ{m},PQ{m}x8" if opq else f"PQ{m}x8"
+    # np: no polysemous training (it only serves Hamming-threshold search, unused here)
+    return f"OPQ{m},PQ{m}x8np" if opq else f"PQ{m}x8np"
 
 
 def _sample(n: int, size: int, seed: int) -> np.ndarray:

@@ -33,7 +33,7 @@ class Progress:
 
     def __init__(self, total: int, desc: str, unit: str = "chunk", initial: int = 0):
         self.total, self.desc, self.unit = int(total), desc, unit
-        self.done = self.start_done = int(initial)
+        self.done = self.start_done = self.printed = int(initial)
         self.t0 = self.last = time.perf_counter()
         self.every = float(os.environ.get("GNNLM_PROGRESS_SECONDS", 30))
         self.bar = None
@@ -50,7 +50,7 @@ class Progress:
             return
         now = time.perf_counter()
         if not quiet() and (now - self.last >= self.every):
-            self.last = now
+            self.last, self.printed = now, self.done
             say(f"  {self.line()}")
 
     def line(self) -> str:
@@ -64,6 +64,8 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        elif self.done > self.printed:  # a log always ends with the totals
+            say(f"  {self.line()}")
 
 
 def track(total: int, desc: str, initial: int = 0, unit: str = "chunk",

@@ -1,4 +1,5 @@
-"""Hand-made artifacts for unit tests: a features datastore like ``build_features`` writes."""
+"""Hand-made artifacts for unit tests: a features datastore like ``build_features`` writes, the
+base LM's output embedding, and a ``gnnlm fit``-style checkpoint of a tiny built-in LM."""
 from __future__ import annotations
 
 import hashlib
@@ -9,15 +10,17 @@ from gnnlm.artifacts import ArtifactBuilder
 
 
 def write_features(path, final, att=None, targets=None, lm_logprob=None,
-                   lm=("fake-lm", "weights-a"), split="train") -> dict:
-    """A features artifact at ``path`` with the manifest extras ``build_features`` writes.
+                   lm=("fake-lm", "weights-a"), split="train", vocab_size=None) -> dict:
+    """A features artifact at ``path`` (e.g. ``workdir.features(split)``) with the manifest
+    extras ``build_features`` writes.
 
-    ``att`` defaults to ``final``, ``targets`` to zeros; ``lm`` = (name, fingerprint) of the
-    base LM said to have made it.
+    ``att`` defaults to ``final``, ``targets`` to zeros, ``vocab_size`` to the largest target
+    + 1; ``lm`` = (name, fingerprint) of the base LM said to have made it.
     """
     n, d = final.shape
     att = final if att is None else att
     targets = np.zeros(n, dtype=np.int32) if targets is None else targets
+    vocab_size = int(np.max(targets, initial=0)) + 1 if vocab_size is None else vocab_size
     digest = hashlib.sha256(np.ascontiguousarray(final).tobytes()).hexdigest()[:16]
     builder = ArtifactBuilder(path, kind="features", config={"split": split},
                               inputs={"base_lm": lm[0], "base_lm_fingerprint": lm[1],
@@ -29,4 +32,38 @@ def write_features(path, final, att=None, targets=None, lm_logprob=None,
         if lm_logprob is not None:
             builder.array("lm_logprob", np.float32, (n,))[:] = lm_logprob
         return builder.finish(extra={"n": n, "dim": d, "keys": ["final", "att"],
+                                     "vocab_size": vocab_size,
                                      "base_lm": {"name": lm[0], "fingerprint": lm[1]}})
+
+
+def write_output_embedding(workdir, weight, bias=None, lm=("fake-lm", "weights-a")) -> dict:
+    """The ``output_embedding`` artifact ``build_output_embedding`` writes, from arrays."""
+    weight = np.asarray(weight, dtype=np.float32)
+    builder = ArtifactBuilder(workdir.output_embedding, kind="output_embedding",
+                              inputs={"base_lm_fingerprint": lm[1]})
+    with builder:
+        builder.array("weight", np.float32, weight.shape)[...] = weight
+        if bias is not None:
+            builder.array("bias", np.float32, np.shape(bias))[...] = bias
+        return builder.finish(extra={"base_lm": {"name": lm[0], "fingerprint": lm[1]},
+                                     "vocab_size": int(weight.shape[0]),
+                                     "dim": int(weight.shape[1])})
+
+
+def save_lm_checkpoint(path, seed=0, **sizes):
+    """A tiny built-in LM saved as a ``gnnlm fit`` checkpoint (what ``load_base_lm`` reads).
+
+    Returns ``(str(path), the LanguageModel)``; ``sizes`` override the GPT hyper-parameters.
+    """
+    import pytorch_lightning as pl
+    import torch
+
+    from gnnlm.lit.lm import LanguageModel
+
+    torch.manual_seed(seed)
+    args = {"vocab_size": 50, "context_length": 16, "n_layer": 3, "n_head": 2, "d_model": 16,
+            "d_ff": 32, "dropout": 0.2, **sizes}
+    lm = LanguageModel(**args)
+    torch.save({"state_dict": lm.state_dict(), "hyper_parameters": dict(lm.hparams),
+                "pytorch-lightning_version": pl.__version__}, path)
+    return str(path), lm

@@ -1,4 +1,5 @@
-"""gnnlm.graph: exact edge sets on a hand-worked block, leakage exclusion, batching."""
+"""gnnlm.graph: exact edge sets on a hand-worked block, the leakage rule (checked against graph
+reachability), the reference topology, batching."""
 import numpy as np
 import pytest
 import torch
@@ -14,6 +15,8 @@ from gnnlm.graph import (
     GraphConfig,
     build_graph,
     graph_sizes,
+    leaky,
+    select_neighbors,
 )
 
 # Hand-worked block: T = 3 valid tokens at split positions 10, 11, 12; K = 2; l = r = 1;
@@ -83,65 +86,102 @@ def test_k_truncation_and_window_sizes():
     assert data["nbr"].offset.tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 1, 2, 0, 1, 2]
 
 
-def test_leakage_exclusion_hand_worked():
-    # W = 2, token at 11 retrieved 9 (window 8 9 10: 10 is inside) and token at 12 retrieved 14
-    # (window 13 14 15: 13 is inside). A retrieved p inside the radius itself (p = t with W = 1
-    # below) is dropped too, and the two halves of its window stay unconnected.
-    data = build_graph([11, 12], [[9], [14]], 20, GraphConfig(k=1), exclude_radius=2)
-    assert data["nbr"].train_pos.tolist() == [8, 9, 14, 15]
-    assert data["nbr"].offset.tolist() == [-1, 0, 0, 1]
-    assert edge_set(data, NBR_INTRA) == {(0, 0), (1, 1), (2, 2), (3, 3),
-                                         (0, 1), (1, 0), (2, 3), (3, 2)}
-    assert edge_set(data, NBR_INTER) == {(0, 0), (1, 0), (2, 1), (3, 1)}
-    data = build_graph([5], [[5]], 10, GraphConfig(k=1), exclude_radius=1)
-    assert data["nbr"].train_pos.tolist() == [4, 6]
-    assert edge_set(data, NBR_INTRA) == {(0, 0), (1, 1)}
+def test_leakage_rule_hand_worked():
+    # C = 2. Token 0 (target 11) retrieved 9: window 8 9 10; node 10 has read 8..10, not 11 or
+    # 12, so it stays. Token 1 (target 12) retrieved 14, which has read 12: it is skipped for the
+    # next stored neighbour, 3 (window 2 3 4). A node q leaks to a later token too: token 0's
+    # retrieved 13 (reads 11..13, reaches targets 11 and 12) is skipped for 9.
+    data = build_graph([11, 12], [[13, 9], [14, 3]], 20, GraphConfig(k=1), leakage_context=2)
+    assert data["nbr"].train_pos.tolist() == [8, 9, 10, 2, 3, 4]
+    assert data["nbr"].owner_local.tolist() == [0, 0, 0, 1, 1, 1]
+    assert (data.windows_masked, data.nodes_masked) == (2, 0)
+    # window mates are dropped alone: the token with target 5 retrieved 4 (reads 1..4, kept);
+    # its mate 5 is the target itself and is dropped, its mate 3 stays
+    data = build_graph([5], [[4]], 10, GraphConfig(k=1), leakage_context=3)
+    assert data["nbr"].train_pos.tolist() == [3, 4]
+    assert (data.windows_masked, data.nodes_masked) == (0, 1)
+    assert edge_set(data, NBR_INTRA) == {(0, 0), (1, 1), (0, 1), (1, 0)}
+    # valid/test graphs (leakage_context None) keep everything
+    data = build_graph([5], [[4]], 10, GraphConfig(k=1))
+    assert data["nbr"].train_pos.tolist() == [3, 4, 5] and data.windows_masked == 0
 
 
-def reference_graph(ctx_pos, nbr_ids, n_train, cfg, radius):
-    """Loop-by-loop reading of the schema; nodes named by (owner, rank, offset)."""
+def test_select_neighbors_skips_missing_and_masked_in_order():
+    ids = np.array([[5, -1, 7, 8], [-1, -1, -1, -1]])
+    keep = np.array([[True, True, False, True], [True] * 4])
+    np.testing.assert_array_equal(select_neighbors(ids, 2, keep), [[5, 8], [-1, -1]])
+    np.testing.assert_array_equal(select_neighbors(ids, 5), [[5, 7, 8, -1, -1], [-1] * 5])
+
+
+def test_leaky_is_the_rule_over_every_later_target():
+    ctx_pos = np.array([10, 11, 12, 20])
+    q = np.arange(0, 30)
+    for owner in range(4):
+        reach = ctx_pos[owner:]
+        expected = [(q_ - 3 <= reach).__and__(reach <= q_).any() for q_ in q]
+        assert leaky(q, np.full_like(q, owner), ctx_pos, 3).tolist() == expected
+
+
+def test_retrieved_inter_edges_link_only_the_retrieved_token():
+    data = build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(k=2, inter="retrieved"))
+    centres = [i for i, off in enumerate(OFFSET) if off == 0]
+    assert edge_set(data, NBR_INTER) == {(i, OWNER[i]) for i in centres}
+    loops = {(i, i) for i in range(13)}
+    assert edge_set(data, NBR_INTRA) == loops | ADJACENT | {(b, a) for a, b in ADJACENT}
+    assert graph_sizes(3, GraphConfig(k=2, inter="retrieved"))[NBR_INTER] == 6
+
+
+def reference_graph(ctx_pos, nbr_ids, n_train, cfg, context):
+    """Loop-by-loop reading of the schema; nodes named by (owner, rank, offset). With a
+    ``context`` C, retrieved tokens that have read the target of their token or of a later one
+    are skipped, and window nodes that have are dropped."""
+    T = len(ctx_pos)
+
+    def leaks(q, owner):
+        return context is not None and any(q - context <= ctx_pos[i] <= q
+                                           for i in range(owner, T))
+
     nodes, ctx_edges, intra, inter = {}, set(), set(), set()
-    for i in range(len(ctx_pos)):
+    for i in range(T):
         for j in range(i + 1):
             if cfg.ctx_window is None or i - j < cfg.ctx_window:
                 ctx_edges.add((j, i))
-        for rank, p in enumerate(nbr_ids[i][:cfg.k]):
-            if p < 0:
-                continue
+        chosen = [p for p in nbr_ids[i] if p >= 0 and not leaks(p, i)][:cfg.k]
+        for rank, p in enumerate(chosen):
             for off in range(-cfg.left, cfg.right + 1):
                 q = p + off
-                if 0 <= q < n_train and abs(q - ctx_pos[i]) >= radius:
+                if 0 <= q < n_train and not leaks(q, i):
                     nodes[(i, rank, off)] = q
     for (i, rank, off) in nodes:
         intra.add(((i, rank, off), (i, rank, off)))
-        inter.add(((i, rank, off), i))
+        if cfg.inter == "window" or off == 0:
+            inter.add(((i, rank, off), i))
         if (i, rank, off + 1) in nodes:
             intra.add(((i, rank, off), (i, rank, off + 1)))
             intra.add(((i, rank, off + 1), (i, rank, off)))
     return nodes, ctx_edges, intra, inter
 
 
-@pytest.mark.parametrize("radius", [0, 5])
-def test_random_block_matches_loop_reference(radius):
-    rng = np.random.default_rng(radius)
+@pytest.mark.parametrize("context,inter", [(None, "window"), (5, "window"), (5, "retrieved")])
+def test_random_block_matches_loop_reference(context, inter):
+    rng = np.random.default_rng(context or 0)
     T, K, n_train = 16, 8, 60
-    cfg = GraphConfig(left=2, right=3, k=6, ctx_window=5)
+    cfg = GraphConfig(left=2, right=3, k=6, ctx_window=5, inter=inter)
     ctx_pos = 20 + np.arange(T) * 2  # gaps between positions are allowed
     nbr_ids = rng.integers(0, n_train, size=(T, K))
     nbr_ids[rng.random((T, K)) < 0.2] = -1
-    data = build_graph(ctx_pos, nbr_ids, n_train, cfg, exclude_radius=radius)
+    data = build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=context)
 
     nbr = data["nbr"]
     names = list(zip(nbr.owner_local.tolist(), nbr.rank.tolist(), nbr.offset.tolist()))
-    nodes, ctx_edges, intra, inter = reference_graph(ctx_pos, nbr_ids, n_train, cfg, radius)
+    nodes, ctx_edges, intra, inter_edges = reference_graph(ctx_pos, nbr_ids, n_train, cfg,
+                                                           context)
     assert dict(zip(names, nbr.train_pos.tolist())) == nodes and len(names) == len(nodes)
     assert edge_set(data, CTX_INTRA) == ctx_edges
     assert {(names[a], names[b]) for a, b in edge_set(data, NBR_INTRA)} == intra
-    assert {(names[a], b) for a, b in edge_set(data, NBR_INTER)} == inter
-    if radius:
-        owner_pos = torch.from_numpy(ctx_pos)[nbr.owner_local]
-        assert ((nbr.train_pos - owner_pos).abs() >= radius).all()
-        assert len(nodes) < len(reference_graph(ctx_pos, nbr_ids, n_train, cfg, 0)[0])
+    assert {(names[a], b) for a, b in edge_set(data, NBR_INTER)} == inter_edges
+    if context:
+        assert data.windows_masked + data.nodes_masked > 0
 
 
 def test_graph_sizes_bound_a_full_block():
@@ -197,4 +237,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"\(got"):
         build_graph(CTX_POS, NBR_IDS, 19, GraphConfig())  # id 19 is outside the datastore
     with pytest.raises(ValueError, match=r"\(got"):
-        build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(), exclude_radius=-1)
+        build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(), leakage_context=-1)
+    with pytest.raises(ValueError, match=r"\(got 'all'\)"):
+        GraphConfig(inter="all")
+    with pytest.raises(ValueError, match="increase"):
+        build_graph([3, 2, 1], NBR_IDS, N_TRAIN, GraphConfig())

@@ -1,31 +1,26 @@
-"""kNN-LM maths against direct per-token formulas, and the cache against recomputation."""
+"""kNN-LM maths against direct per-token formulas (the cache is tested in test_knn_cache.py)."""
 from __future__ import annotations
 
 import math
 
-import fakes
 import numpy as np
 import pytest
 import torch
 
-from gnnlm.index import IndexConfig, build_index
 from gnnlm.knn import (
-    build_knn_cache,
+    DEFAULT_KS,
+    DEFAULT_LAMBDAS,
+    base_perplexity,
+    default_temperatures,
     evaluate,
     fit,
+    fit_and_score,
+    fit_lambda,
     interpolate,
     knn_lm_logprob,
     knn_logprob,
-    open_knn_cache,
-    similarity,
     sweep,
 )
-from gnnlm.neighbors import NeighborsConfig, build_neighbors, open_neighbors
-
-
-def write_features(path, final, targets, lm_logprob=None, **kw):
-    """Features whose ``att`` keys are ``-final`` (so the two key types differ)."""
-    return fakes.write_features(path, final, -final, targets, lm_logprob, **kw)
 
 
 def random_cache(n=500, K=40, seed=0):
@@ -113,93 +108,20 @@ def test_sweep_equals_pointwise_and_fit_picks_minimum():
     assert grid.shape == (4, 3, 4)
     for i, k in enumerate(ks):
         for j, t in enumerate(temps):
-            for l, lam in enumerate(lams):
+            for m, lam in enumerate(lams):
                 knn = loop_knn_logprob(cache["sims"], cache["hits"], k, t)
                 ref = np.log((1 - lam) * np.exp(cache["lm_logprob"].astype(np.float64))
                              + lam * np.exp(knn))
-                assert grid[i, j, l] == pytest.approx(math.exp(-ref.mean()), rel=1e-5)
-                assert evaluate(cache, k, t, lam) == pytest.approx(grid[i, j, l], rel=1e-5)
+                assert grid[i, j, m] == pytest.approx(math.exp(-ref.mean()), rel=1e-5)
+                assert evaluate(cache, k, t, lam) == pytest.approx(grid[i, j, m], rel=1e-5)
     base = math.exp(-cache["lm_logprob"].astype(np.float64).mean())
     np.testing.assert_allclose(grid[:, :, 0], base, rtol=1e-6)      # λ = 0: the base LM
     best = fit(cache, ks, temps, lams)
     assert best["ppl"] == grid.min() and best["base_ppl"] == pytest.approx(base)
-    i, j, l = np.unravel_index(np.argmin(grid), grid.shape)
-    assert (best["k"], best["temperature"], best["lambda"]) == (ks[i], temps[j], lams[l])
+    i, j, m = np.unravel_index(np.argmin(grid), grid.shape)
+    assert (best["k"], best["temperature"], best["lambda"]) == (ks[i], temps[j], lams[m])
     per_token = knn_lm_logprob(cache, best["k"], best["temperature"], best["lambda"])
     assert math.exp(-per_token.astype(np.float64).mean()) == pytest.approx(best["ppl"], rel=1e-5)
-
-
-def test_similarity_conventions():
-    rng = np.random.default_rng(3)
-    q, k = rng.standard_normal((5, 1, 8)), rng.standard_normal((5, 6, 8))
-    qn = q / np.linalg.norm(q, axis=-1, keepdims=True)
-    kn = k / np.linalg.norm(k, axis=-1, keepdims=True)
-    np.testing.assert_allclose(similarity(q, k, "cos"), (qn * kn).sum(-1), rtol=1e-5)
-    np.testing.assert_allclose(similarity(q, k, "ip"), (q * k).sum(-1), rtol=1e-5)
-    np.testing.assert_allclose(similarity(q, k, "l2"), -((q - k) ** 2).sum(-1), rtol=1e-5)
-    assert similarity(q, k, "l2").shape == (5, 6)
-
-
-@pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    """Train/valid features, an IVF-PQ index (approximate scores, some -1 slots), neighbours,
-    and both kinds of cache for valid."""
-    root = tmp_path_factory.mktemp("knn")
-    rng = np.random.default_rng(4)
-    train = rng.standard_normal((2000, 16)).astype(np.float32)
-    valid = (train[rng.integers(0, 2000, 300)] + 0.3 * rng.standard_normal((300, 16))
-             ).astype(np.float32)
-    train_targets = rng.integers(0, 20, 2000).astype(np.int32)
-    valid_targets = rng.integers(0, 20, 300).astype(np.int32)
-    write_features(root / "train", train, train_targets)
-    write_features(root / "valid", valid, valid_targets,
-                   lm_logprob=np.log(rng.uniform(0.01, 0.5, 300)), split="valid")
-    build_index(root / "train", root / "index",
-                IndexConfig(metric="l2", factory="IVF8,PQ4x4np", nprobe=1, recall_queries=50))
-    build_neighbors("valid", root / "valid", root / "train", root / "index", root / "nb",
-                    NeighborsConfig(K=300), leakage_window=None)
-    for scores in ("faiss", "exact"):
-        build_knn_cache("valid", root / "valid", root / "train", root / "nb",
-                        root / f"cache-{scores}", scores=scores, chunk=64)
-    return root, train, valid, train_targets, valid_targets
-
-
-def test_cache_hits_scores_and_logprob(caches):
-    root, train, valid, train_targets, valid_targets = caches
-    _, nb = open_neighbors(root / "nb")
-    ids = np.asarray(nb["ids"]).astype(np.int64)
-    assert np.any(ids < 0)  # one probed list of ~250 keys cannot fill K = 300
-    manifest, faiss_cache = open_knn_cache(root / "cache-faiss")
-    assert (manifest["key"], manifest["metric"], manifest["K"], manifest["scores"],
-            manifest["n"]) == ("final", "l2", 300, "faiss", 300)
-    expected_hits = (ids >= 0) & (train_targets[np.maximum(ids, 0)] == valid_targets[:, None])
-    np.testing.assert_array_equal(faiss_cache["hits"], expected_hits)
-    np.testing.assert_array_equal(faiss_cache["sims"], nb["sims"])
-    _, valid_arrays = open_knn_cache(root / "cache-exact")
-    np.testing.assert_array_equal(valid_arrays["hits"], expected_hits)
-    np.testing.assert_array_equal(valid_arrays["lm_logprob"], faiss_cache["lm_logprob"])
-    # Exact scores: recomputed from the stored float16 keys, in the neighbours' order.
-    keys = train.astype(np.float16).astype(np.float64)
-    q = valid.astype(np.float16).astype(np.float64)
-    ref = -((q[:, None, :] - keys[np.maximum(ids, 0)]) ** 2).sum(-1)
-    ref[ids < 0] = -np.inf
-    np.testing.assert_allclose(valid_arrays["sims"], ref, rtol=1e-5, atol=1e-5)
-    valid_slots = ids >= 0
-    assert not np.allclose(faiss_cache["sims"][valid_slots], ref[valid_slots], atol=1e-3)
-    assert 0 < manifest["hit_coverage"] <= 1
-
-
-def test_cache_resumes_to_identical_bytes(caches, tmp_path):
-    root = caches[0]
-    args = ("valid", root / "valid", root / "train", root / "nb")
-    assert build_knn_cache(*args, tmp_path / "c", scores="exact", chunk=64,
-                           stop_after_chunks=2) == {}
-    resumed = build_knn_cache(*args, tmp_path / "c", scores="exact", chunk=64)
-    for name in ("sims.bin", "hits.bin", "lm_logprob.bin"):
-        assert (tmp_path / "c" / name).read_bytes() == (root / "cache-exact" / name).read_bytes()
-    assert resumed["hit_coverage"] == open_knn_cache(root / "cache-exact")[0]["hit_coverage"]
-    with pytest.raises(ValueError, match=r"\(got 'real'\)"):
-        build_knn_cache(*args, tmp_path / "d", scores="real")
 
 
 def test_sweep_is_exact_where_float32_weights_underflow():
@@ -210,21 +132,95 @@ def test_sweep_is_exact_where_float32_weights_underflow():
     grid = sweep(cache, [1, 2, 3], [1.0, 0.5], [1.0, 0.5])
     for i, k in enumerate([1, 2, 3]):
         for j, t in enumerate([1.0, 0.5]):
-            for l, lam in enumerate([1.0, 0.5]):
-                assert grid[i, j, l] == pytest.approx(evaluate(cache, k, t, lam), rel=1e-5)
+            for m, lam in enumerate([1.0, 0.5]):
+                assert grid[i, j, m] == pytest.approx(evaluate(cache, k, t, lam), rel=1e-5)
     assert np.isinf(grid[0, 0, 0]) and np.isfinite(grid[1, 0, 0])  # k=1: no hit; k=2: e^-200
     assert knn_logprob(sims, hits, 2, 1.0)[0] == pytest.approx(-200.0)
 
 
-def test_recall_buckets_never_split_a_recall_value():
-    from gnnlm.report import recall_buckets
-    hits = np.array([0] * 45 + [1] * 10 + [2] * 20 + [7] * 25)
-    base = -np.arange(100, dtype=float)
-    rows = recall_buckets(hits, base, base + 1.0)
-    ranges = [tuple(r["recall_range"]) for r in rows]
-    assert ranges == [(0, 0), (1, 2), (7, 7)], ranges
-    assert sum(r["tokens"] for r in rows) == 100
-    assert rows[0]["base_logprob"] == pytest.approx(base[:45].mean())
-    assert all(r["absolute_improvement"] == pytest.approx(1.0) for r in rows)
-    spread = recall_buckets(np.arange(100), base, base, n_buckets=5)
-    assert [r["tokens"] for r in spread] == [20] * 5
+def test_sweep_is_exact_where_float32_weights_are_denormal():
+    # Hits 100 below the best score: exp(-100) is a float32 denormal with 5 significant bits.
+    sims = np.array([[0.0, -100.0, -101.0], [0.0, -1.0, -100.5]], dtype=np.float32)
+    hits = np.array([[False, True, False], [True, False, True]])
+    cache = {"sims": sims, "hits": hits, "lm_logprob": np.array([-1.0, -2.0], np.float32)}
+    grid = sweep(cache, [2, 3], [1.0], [1.0])
+    for i, k in enumerate([2, 3]):
+        assert grid[i, 0, 0] == pytest.approx(evaluate(cache, k, 1.0, 1.0), rel=1e-5), k
+    assert knn_logprob(sims, hits, 2, 1.0)[0] == pytest.approx(-100.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("gap", [200.0, 100.0], ids=["far-200T", "denormal-100T"])
+def test_sweep_equals_evaluate_on_unsorted_scores_with_a_far_best_at_the_end(gap):
+    """Exact scores come in FAISS order, not sorted: a row's best score may sit last, far above
+    its first k (at T = 1: 200·T, where float32 weights underflow to 0, and about 100·T, where
+    they are denormal and keep only a few bits). Every prefix k must still be as precise as
+    ``knn_logprob``."""
+    rng = np.random.default_rng(7)
+    n, K = 90, 24
+    sims = rng.normal(0.0, 1.0, (n, K)).astype(np.float32)           # unsorted
+    hits = rng.random((n, K)) < 0.3
+    hits[:, 0] = True                                                 # every prefix has a hit
+    far = np.arange(n) % 4 != 3                                       # 3 rows in 4
+    sims[far, -1] = sims[far, :-1].max(axis=1) + gap + rng.uniform(-2, 2, far.sum())
+    hits[far, -1] = np.arange(n)[far] % 2 == 0                        # the far key a hit or not
+    cache = {"sims": sims, "hits": hits,
+             "lm_logprob": np.log(rng.uniform(0.01, 0.5, n)).astype(np.float32)}
+    ks, temps, lams = [1, 4, 8, 23, 24], [0.5, 1.0], [0.0, 0.3, 1.0]
+    grid = sweep(cache, ks, temps, lams)
+    wrong = []
+    for i, k in enumerate(ks):
+        for j, t in enumerate(temps):
+            for m, lam in enumerate(lams):
+                expected = evaluate(cache, k, t, lam)
+                assert np.isfinite(expected)
+                if grid[i, j, m] != pytest.approx(expected, rel=1e-5):
+                    wrong.append((k, t, lam, float(grid[i, j, m]), expected))
+    assert not wrong, wrong
+    # the reference itself is the per-token formula in float64
+    ref = loop_knn_logprob(sims, hits, 24, 1.0)
+    np.testing.assert_allclose(knn_logprob(sims, hits, 24, 1.0), ref, rtol=1e-5, atol=1e-5)
+    # ks in any order give the same grid rows
+    shuffled = sweep(cache, [24, 1, 8], temps, lams)
+    np.testing.assert_allclose(shuffled, grid[[4, 0, 2]], rtol=1e-5)
+
+
+def test_fit_and_score_chooses_on_valid_and_only_scores_test():
+    valid, test = random_cache(n=400, K=16, seed=2), random_cache(n=300, K=16, seed=5)
+    ks, temps, lams = [1, 4, 16], [0.5, 1.0, 2.0], [0.0, 0.25, 0.5]
+    result = fit_and_score(valid, test, ks, temps, lams)
+    best = fit(valid, ks, temps, lams)
+    point = (result["k"], result["temperature"], result["lambda"])
+    assert point == (best["k"], best["temperature"], best["lambda"])
+    assert result["valid_ppl"] == best["ppl"]
+    assert result["test_ppl"] == pytest.approx(evaluate(test, *point), rel=1e-9)
+    np.testing.assert_array_equal(result["test_logprob"], knn_lm_logprob(test, *point))
+    # test chooses nothing: another test set is scored at the same point
+    other = fit_and_score(valid, random_cache(n=300, K=16, seed=9), ks, temps, lams)
+    assert (other["k"], other["temperature"], other["lambda"]) == point
+    assert other["test_ppl"] != result["test_ppl"]
+
+
+def test_fit_lambda_mixes_two_models_and_never_takes_the_other_alone():
+    rng = np.random.default_rng(8)
+    lm = np.log(rng.uniform(0.01, 0.2, 300))
+    other = lm + 0.5                                                   # better at every token
+    lam, ppl = fit_lambda(lm, other, [0.0, 0.5, 0.9, 1.0])
+    assert lam == 0.9                                                  # λ = 1 is not a mixture
+    assert ppl == pytest.approx(math.exp(-interpolate(lm, other, 0.9).mean()))
+    assert fit_lambda(lm, lm - 1.0, [0.0, 0.5])[0] == 0.0              # a worse one is not used
+    assert base_perplexity({"lm_logprob": lm, "sims": np.zeros((300, 1)),
+                            "hits": np.zeros((300, 1), bool)}) == pytest.approx(
+        math.exp(-lm.mean()))
+
+
+def test_default_grids():
+    cos = default_temperatures("cos")
+    assert 0.01 in cos and max(cos) <= 1.0
+    for metric in ("ip", "l2"):
+        grid = default_temperatures(metric)
+        assert min(grid) > max(cos[:3]) and max(grid) >= 50          # scores hundreds larger
+    for grid in (cos, default_temperatures("l2"), DEFAULT_KS, DEFAULT_LAMBDAS):
+        assert list(grid) == sorted(grid) and min(grid) >= 0
+    assert DEFAULT_LAMBDAS[0] == 0.0 and max(DEFAULT_LAMBDAS) < 1
+    with pytest.raises(ValueError, match="missing"):
+        sweep({"sims": np.zeros((2, 2))}, [1], [1.0], [0.5])

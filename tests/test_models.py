@@ -1,3 +1,4 @@
+"""Base LMs: features, output embedding, causality, fingerprints, Transformer-XL memory."""
 import pytest
 import torch
 
@@ -85,20 +86,48 @@ def test_bad_sizes_are_refused():
         GPTConfig(vocab_size=0)
 
 
-@pytest.mark.parametrize("monitor", ["val/ppl", None])
-def test_pipeline_keeps_the_best_monitored_weights(tmp_path, monitor):
-    from types import SimpleNamespace
+def test_the_built_in_model_is_named_by_kind_not_by_path(gpt):
+    identity = gpt.identity()
+    assert identity == {"name": "gpt", "fingerprint": gpt.fingerprint(), "vocab_size": 97,
+                        "hidden_size": 16}
 
-    from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from gnnlm.pipeline import restore_best_weights
+def _gpt(memory_length):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, context_length=8, n_layer=2, n_head=2, d_model=16,
+                         d_ff=32, dropout=0.0, memory_length=memory_length)).eval()
 
-    best, last = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
-    torch.save({"state_dict": best.state_dict()}, tmp_path / "best.ckpt")
-    callback = ModelCheckpoint(dirpath=tmp_path, monitor=monitor)
-    callback.best_model_path = str(tmp_path / "best.ckpt")
-    before = last.weight.detach().clone()
-    restore_best_weights(SimpleNamespace(trainer=SimpleNamespace(checkpoint_callback=callback),
-                                         model=last))
-    expected = best.weight if monitor else before
-    assert torch.equal(last.weight.detach(), expected.detach())
+
+def test_transformer_xl_memory_carries_the_previous_segment():
+    model = _gpt(memory_length=8)
+    prev_a, prev_b = torch.randint(0, 50, (2, 1, 8))
+    current = torch.randint(0, 50, (1, 8))
+    mem_a, mem_b = model(prev_a).memory, model(prev_b).memory
+    assert len(mem_a) == 2 and mem_a[0].shape == (1, 8, 16) and not mem_a[0].requires_grad
+    out_a, out_b = model(current, memory=mem_a), model(current, memory=mem_b)
+    assert not torch.allclose(out_a.final, out_b.final, atol=1e-4)
+    # Called without memory, the memory model is the same weights with memory switched off.
+    no_mem = _gpt(memory_length=0)
+    assert no_mem.fingerprint() == model.fingerprint()
+    torch.testing.assert_close(model(current).final, no_mem(current).final, rtol=0, atol=0)
+    torch.testing.assert_close(model(current).att, no_mem(current).att, rtol=0, atol=0)
+    assert not torch.allclose(out_a.final, no_mem(current).final, atol=1e-4)
+    assert no_mem(prev_a).memory is None
+
+
+def test_memory_positions_are_relative():
+    """With rotary positions, [memory | segment] equals one forward pass over the joined text."""
+    model = _gpt(memory_length=8)
+    a, b = torch.randint(0, 50, (2, 1, 8))
+    with torch.no_grad():
+        joined = model(torch.cat([a, b], dim=1)).final[:, 8:]
+        # the memory of layer l is that layer's input for segment a: exact Transformer-XL
+        stepped = model(b, memory=model(a).memory).final
+    torch.testing.assert_close(stepped, joined, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_must_hold_one_tensor_per_layer():
+    model = _gpt(memory_length=8)
+    memory = model(torch.randint(0, 50, (1, 8))).memory
+    with pytest.raises(ValueError, match=r"one tensor per layer \(got 1 for 2 layers\)"):
+        model(torch.randint(0, 50, (1, 8)), memory=memory[:1])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gnnlm.artifacts import ArtifactBuilder
-from gnnlm.knn import evaluate, fit
+from gnnlm.knn import default_temperatures, evaluate, fit
 from gnnlm.sweep import run_sweep
 
 
@@ -34,11 +34,10 @@ def test_sweep_report(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     valid = write_cache(tmp_path / "valid", 600, 32, seed=0)
     test = write_cache(tmp_path / "test", 400, 32, seed=1)
-    ks, temps, lams = [4, 16, 32, 64], [0.5, 1.0, 2.0], [0.0, 0.1, 0.3, 0.6]
+    ks, temps, lams = [16, 4, 32, 16], [0.5, 1.0, 2.0], [0.0, 0.1, 0.3, 0.6]
     out = tmp_path / "report"
     result = run_sweep(tmp_path / "valid", tmp_path / "test", out, ks, temps, lams)
-    # k = 64 exceeds the caches' K = 32 and is dropped (32 is already in the grid).
-    assert result["grid"]["k"] == [4, 16, 32]
+    assert result["grid"]["k"] == [4, 16, 32]                        # sorted, once each
     best = fit(valid, [4, 16, 32], temps, lams)
     assert (result["k"], result["temperature"], result["lambda"]) == \
         (best["k"], best["temperature"], best["lambda"])
@@ -48,6 +47,7 @@ def test_sweep_report(tmp_path, monkeypatch):
         evaluate(test, result["k"], result["temperature"], result["lambda"]))
     assert result["base_test_ppl"] == pytest.approx(np.exp(-test["lm_logprob"].mean()), rel=1e-5)
     assert result["points"] == 36 and result["points_per_s"] > 0
+    assert result["cache"]["metric"] == "l2" and result["cache"]["K"] == 32
     for name in ("sweep.csv", "sweep.md", "sweep_heatmap.png", "sweep.json"):
         assert (out / name).stat().st_size > 0
     with open(out / "sweep.csv") as f:
@@ -71,3 +71,28 @@ def test_sweep_refuses_mismatched_caches(tmp_path):
     with pytest.raises(ValueError, match=r"differ in scores \(valid 'faiss', test 'exact'\)"):
         run_sweep(tmp_path / "valid", tmp_path / "test", tmp_path / "out", [4], [1.0], [0.5],
                   use_wandb=False)
+
+
+def test_k_above_the_caches_k_is_an_error(tmp_path):
+    """A k the caches cannot serve is refused, never silently clamped to K."""
+    write_cache(tmp_path / "valid", 50, 8, seed=0)
+    write_cache(tmp_path / "test", 50, 8, seed=1)
+    with pytest.raises(ValueError, match=r"between 1 and the K = 8 .*\(got \[4, 64\]\)"):
+        run_sweep(tmp_path / "valid", tmp_path / "test", tmp_path / "out", [64, 4], [1.0],
+                  [0.5], use_wandb=False)
+    assert not (tmp_path / "out" / "sweep.json").exists()
+
+
+def test_default_temperatures_follow_the_caches_metric_and_arrays_work(tmp_path):
+    valid = write_cache(tmp_path / "valid", 80, 8, seed=0)
+    test = write_cache(tmp_path / "test", 60, 8, seed=1)
+    result = run_sweep(tmp_path / "valid", tmp_path / "test", tmp_path / "out", [2, 8],
+                       lambdas=[0.0, 0.5], use_wandb=False)
+    assert result["grid"]["temperature"] == default_temperatures("l2")
+    assert result["wandb_dir"] is None and not (tmp_path / "out" / "wandb").exists()
+    # mappings of arrays instead of folders: the same numbers, nothing recorded about them
+    again = run_sweep(valid, test, tmp_path / "arrays", [2, 8], default_temperatures("l2"),
+                      [0.0, 0.5], use_wandb=False)
+    assert again["valid_ppl"] == pytest.approx(result["valid_ppl"])
+    assert again["test_ppl"] == pytest.approx(result["test_ppl"])
+    assert again["cache"]["metric"] is None

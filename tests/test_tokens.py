@@ -1,7 +1,7 @@
+"""Tokenization: WikiText-2 statistics, round trips of every tokenizer, clear errors."""
 import numpy as np
 import pytest
 
-from gnnlm.corpus import CorpusNotFoundError, locate_corpus
 from gnnlm.tokens import (
     CharTokenizer,
     HFTokenizer,
@@ -76,16 +76,3 @@ def test_empty_split_is_a_clear_error(tmp_path):
         (corpus / f"{split}.txt").write_text(text)
     with pytest.raises(ValueError, match="valid.txt is empty"):
         build_tokens(tmp_path / "tok", "c", corpus_path=str(corpus))
-
-
-def test_unknown_corpus_name_says_where_it_looked(tmp_path, monkeypatch):
-    monkeypatch.setenv("GNNLM_DATA", str(tmp_path))
-    with pytest.raises(CorpusNotFoundError, match=f"Unknown corpus 'no-such-corpus'.*{tmp_path}"):
-        locate_corpus("no-such-corpus", cache_dir=tmp_path / "cache")
-
-
-def test_known_corpus_offline_says_where_it_looked(tmp_path, monkeypatch):
-    monkeypatch.setenv("GNNLM_DATA", str(tmp_path))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(CorpusNotFoundError, match="wikitext-103.*offline"):
-        locate_corpus("wikitext-103", cache_dir=tmp_path / "cache")

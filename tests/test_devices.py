@@ -1,0 +1,35 @@
+"""Where work runs: device names are checked, ``auto`` follows what torch and faiss see."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gnnlm.devices import check_device, faiss_device, faiss_has_gpu, torch_device
+
+
+def test_torch_device():
+    assert torch_device("cpu") == torch.device("cpu")
+    assert torch_device(torch.device("cpu")) == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert torch_device("auto").type == expected
+    assert torch_device().type == expected
+    assert torch_device("cuda:1") == torch.device("cuda", 1)  # a name, not an allocation
+
+
+def test_bad_device_names_are_refused():
+    for name in ("cpu", "cuda", "auto", "cuda:0"):
+        check_device(name)
+    with pytest.raises(ValueError, match=r"device must be one of .*\(got 'tpu'\)"):
+        torch_device("tpu")
+    with pytest.raises(ValueError, match=r"\(got 'gpu'\)"):
+        faiss_device("gpu")
+
+
+def test_faiss_device():
+    assert faiss_device("cpu") == "cpu"
+    if faiss_has_gpu():
+        assert faiss_device("auto") == faiss_device("cuda") == "cuda"
+    else:
+        assert faiss_device("auto") == "cpu"
+        with pytest.raises(ValueError, match="faiss-gpu"):
+            faiss_device("cuda")

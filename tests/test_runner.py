@@ -1,0 +1,69 @@
+"""The training runner: the best monitored weights are kept, and checkpoints load as data."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("monitor", ["val/ppl", None])
+def test_pipeline_keeps_the_best_monitored_weights(tmp_path, monitor):
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from gnnlm.runner import restore_best_weights
+
+    best, last = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    torch.save({"state_dict": best.state_dict()}, tmp_path / "best.ckpt")
+    callback = ModelCheckpoint(dirpath=tmp_path, monitor=monitor)
+    callback.best_model_path = str(tmp_path / "best.ckpt")
+    before = last.weight.detach().clone()
+    restore_best_weights(SimpleNamespace(trainer=SimpleNamespace(checkpoint_callback=callback),
+                                         model=last))
+    expected = best.weight if monitor else before
+    assert torch.equal(last.weight.detach(), expected.detach())
+
+
+class _Windows(torch.utils.data.Dataset):
+    def __init__(self, n, T=8, V=30, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.stream = torch.randint(0, V, (n, T + 1), generator=g)
+
+    def __len__(self):
+        return len(self.stream)
+
+    def __getitem__(self, i):
+        return {"input": self.stream[i, :-1], "target": self.stream[i, 1:]}
+
+
+def test_a_checkpoint_written_by_the_trainer_restores_the_best_weights(tmp_path):
+    """A real Lightning checkpoint (optimizer, scheduler, callback and loop state) is plain data:
+    the runner reads it with the safe loader and restores the best validation step."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from gnnlm.lit.lm import LanguageModel
+    from gnnlm.runner import load_language_model, restore_best_weights
+
+    torch.manual_seed(0)
+    model = LanguageModel(vocab_size=30, context_length=8, n_layer=1, n_head=2, d_model=16,
+                          d_ff=32, dropout=0.0, lr=3e-2, warmup_steps=1)
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/ppl", save_top_k=1)
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback], default_root_dir=tmp_path)
+    trainer.fit(model, DataLoader(_Windows(8), batch_size=4),
+                DataLoader(_Windows(4, seed=1), batch_size=4))
+    best = torch.load(callback.best_model_path, weights_only=False)["state_dict"]
+    with torch.no_grad():  # whatever the last step left, the restored weights are the best's
+        for p in model.parameters():
+            p.add_(1.0)
+    restore_best_weights(SimpleNamespace(trainer=trainer, model=model))
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, best[name], rtol=0, atol=0, msg=name)
+    loaded = load_language_model(callback.best_model_path)
+    assert not loaded.training and loaded.hparams.vocab_size == 30
+    ids = torch.randint(0, 30, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).final, model.eval().model(ids).final)
