@@ -14,6 +14,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.sampling import eval_sampler
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
 from gnnlm.datastore import check_key, load_output_embedding, open_features
 from gnnlm.neighbors import neighbor_values
@@ -104,7 +105,8 @@ class FeatureDataModule(pl.LightningDataModule):
                   if hp.retrieved else None)
         data = FeatureBlocks(self.workdir, split, hp.key, hp.block_size, values,
                              hp.train_tokens if split == "train" else hp.eval_tokens)
-        return DataLoader(data, batch_size=None, shuffle=train, num_workers=hp.num_workers)
+        return DataLoader(data, batch_size=None, shuffle=train, num_workers=hp.num_workers,
+                          sampler=None if train else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

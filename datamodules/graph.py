@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from torch_geometric.data import HeteroData
 from torch_geometric.loader import DataLoader
 
+from datamodules.sampling import eval_sampler
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
 from gnnlm.datastore import load_output_embedding, open_features
 from gnnlm.graph import GraphConfig, build_graph
@@ -147,9 +148,10 @@ class GraphDataModule(pl.LightningDataModule):
     # -- loaders ---------------------------------------------------------------------------
     def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:
         hp = self.hparams
-        return DataLoader(self.dataset(split, k), batch_size=hp.batch_size if train
-                          else hp.eval_batch_size, shuffle=train, num_workers=hp.num_workers,
-                          persistent_workers=False)
+        data = self.dataset(split, k)
+        return DataLoader(data, batch_size=hp.batch_size if train else hp.eval_batch_size,
+                          shuffle=train, num_workers=hp.num_workers, persistent_workers=False,
+                          sampler=None if train else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:
         epoch = self.trainer.current_epoch if self.trainer else None

@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.sampling import eval_sampler
 from gnnlm.encode import protocol, sliding_windows, stream_tensor
 from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
 from gnnlm.workdir import Workdir
@@ -150,7 +151,7 @@ class LMDataModule(pl.LightningDataModule):
         else:
             data = SlidingWindows(self.stream(split), hp.eval_context, hp.eval_stride)
         return DataLoader(data, batch_size=hp.eval_batch_size, shuffle=False,
-                          num_workers=hp.num_workers)
+                          num_workers=hp.num_workers, sampler=eval_sampler(self, data))
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("valid")

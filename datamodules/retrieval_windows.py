@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.features import NeighborValues
 from datamodules.lm import Blocks, SlidingWindows
+from datamodules.sampling import eval_sampler
 from gnnlm.artifacts import ArtifactError, read_manifest
 from gnnlm.datastore import open_features
 from gnnlm.encode import protocol, stream_tensor
@@ -108,9 +109,10 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
         if values.n != n:
             raise ArtifactError(f"{values.dir} covers {values.n} positions but the {split} "
                                 f"features hold {n}: rebuild the neighbours.")
-        data = SlidingWindows(self._stream(split, n), self.context, self.stride)
-        return DataLoader(WithNeighborValues(data, values), batch_size=self.hparams.eval_batch_size,
-                          shuffle=False, num_workers=self.hparams.num_workers)
+        data = WithNeighborValues(SlidingWindows(self._stream(split, n), self.context,
+                                                 self.stride), values)
+        return DataLoader(data, batch_size=self.hparams.eval_batch_size, shuffle=False,
+                          num_workers=self.hparams.num_workers, sampler=eval_sampler(self, data))
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("valid")

@@ -5,6 +5,8 @@ Every pipeline stage writes one folder under the work directory. The folder is b
 so a folder without the suffix is always whole. A build that is killed leaves the ``.partial``
 folder with a ``progress.json``; the next build with the same fingerprint continues from there
 and, because chunk boundaries are fixed, ends with the same bytes as an uninterrupted build.
+A build sharded over several processes (``gnnlm.shards``) keeps one progress file per rank
+beside it instead; ``attach`` opens the arrays in every rank.
 
 Readers take shapes and dtypes from the manifest, never from flags, and refuse files whose size
 does not match it (a truncated memmap).
@@ -27,6 +29,8 @@ from gnnlm.progress import say, track
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
+# One progress file per rank of a sharded build (gnnlm.shards); finish() removes them.
+RANK_PROGRESS = "progress.rank{rank}.json"
 FORMAT_VERSION = 1
 
 
@@ -247,6 +251,23 @@ class ArtifactBuilder:
         self._write_progress()
         return mm
 
+    def attach(self) -> dict[str, np.ndarray]:
+        """Writable memmaps of every array of the partial folder that one process set up
+        (``with builder`` + ``array``): how every rank of a sharded build writes its rows."""
+        progress_file = self.partial / PROGRESS
+        try:
+            state = json.loads(progress_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError) as err:
+            raise ArtifactError(f"{progress_file} cannot be read ({err.__class__.__name__}): "
+                                f"the partial build was not set up.") from None
+        if state.get("fingerprint") != self.fingerprint:
+            raise ArtifactError(f"{self.partial} is being built with other settings "
+                                f"(got fingerprint {state.get('fingerprint')}, expected "
+                                f"{self.fingerprint}).")
+        self.arrays = state.get("arrays", {})
+        return {name: open_array(self.partial, name, {"arrays": self.arrays}, mode="r+")
+                for name in self.arrays}
+
     def chunks(self, n_chunks: int, desc: str, stop_after: Optional[int] = None,
                **state: Any) -> Iterator[int]:
         """The resumable chunk loop: yields the chunks not done yet, in order, with progress.
@@ -295,6 +316,8 @@ class ArtifactBuilder:
         }
         write_json_atomic(self.partial / MANIFEST, manifest)
         (self.partial / PROGRESS).unlink(missing_ok=True)
+        for rank_file in self.partial.glob(RANK_PROGRESS.format(rank="*") + "*"):
+            rank_file.unlink(missing_ok=True)  # the ranks' own files (and a torn .tmp)
         if self.path.exists():
             shutil.rmtree(self.path)
         os.replace(self.partial, self.path)

@@ -1,27 +1,69 @@
-"""The ``gnnlm`` command: LightningCLI for fit/validate/test, plus the pipeline commands.
+"""The ``gnnlm`` command: LightningCLI for fit/validate/test/predict, plus the pipeline commands.
 
-gnnlm fit -c configs/wikitext2/base_lm_cpu.yaml          # train a model (LightningCLI)
-gnnlm test -c configs/wikitext2/base_lm_cpu.yaml --ckpt_path PATH
-gnnlm pipeline -c configs/wikitext2/pipeline_cpu.yaml    # every stage, cached, then the table
-gnnlm sweep -c configs/wikitext2/pipeline_cpu.yaml       # λ × T × k from cached scores
-gnnlm explain -c configs/wikitext2/pipeline_cpu.yaml --text "..."   # retrieved contexts
+    gnnlm fit -c configs/trainer/cpu.yaml -c configs/wikitext2/base_lm.yaml -c ..._cpu.yaml
+    gnnlm pipeline -c configs/wikitext2/pipeline.yaml -c configs/wikitext2/pipeline_cpu.yaml
+    gnnlm sweep    -c ... (the same pipeline configs)
+    gnnlm explain  -c ... --text "In 2000 Boulter had a guest @-@"
+
+A failure prints one line, ``gnnlm <command>: error: <what was wrong and what to do>``, and
+exits with status 2; ``--debug`` (anywhere on the command line) shows the traceback instead.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
+import warnings
 
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
 
+USAGE = """usage: gnnlm COMMAND [-c CONFIG ...] [--section.field=value ...] [--debug]
+
+Retrieval-augmented language modelling: GNN-LM, kNN-LM and SPALM.
+
+commands:
+  pipeline   every stage, cached, then the table: writes <workdir>/{tokens,features,index,
+             neighbors,knn_cache,pq,heads,reports/<name>} (results.json, results.md, plots)
+  sweep      the kNN-LM λ x T x k grid from cached scores: writes <workdir>/reports/<name>/sweep/
+             (sweep.csv, sweep.md, sweep.json, the heatmap) and an offline W&B run
+  explain    the train contexts a text retrieves: prints them, writes nothing
+  fit        train a model (LightningCLI): a base LM, or a head on a pipeline's work directory;
+             writes checkpoints and logs under trainer.default_root_dir
+  validate, test, predict
+             LightningCLI's: evaluate a checkpoint (--ckpt_path)
+
+Run `gnnlm COMMAND --help` for a command's options. Each YAML in configs/ starts with the
+command that runs it. --debug shows the traceback of an error."""
+
 
 def default_wandb_offline() -> None:
     """W&B stays offline (no account, no network) unless the user is logged in or says so."""
+    netrc = os.path.expanduser("~/.netrc")
     logged_in = os.environ.get("WANDB_API_KEY") or (
-        os.path.isfile(os.path.expanduser("~/.netrc"))
-        and "api.wandb.ai" in open(os.path.expanduser("~/.netrc")).read())
+        os.path.isfile(netrc) and "api.wandb.ai" in open(netrc).read())
     if not logged_in:
         os.environ.setdefault("WANDB_MODE", "offline")
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip")
+
+
+def quiet_lightning() -> None:
+    """Silence Lightning's promotional tips and the warnings that are not true here."""
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropTips())
+    for message in (
+            ".*tensorboardX.*",                     # the CSV logger is the intended default
+            ".*sync_dist=True.*",                   # epoch metrics are reduced over ranks already
+            ".*LightningCLI's args parameter.*",    # the pipeline runs the CLI from Python
+            ".*isinstance\\(treespec, LeafSpec\\).*",
+            ".*does not have many workers.*",       # two cores: loading in-process is intended
+            ".*The number of training batches.*log_every_n_steps.*"):
+        warnings.filterwarnings("ignore", message=message)
 
 
 class GnnlmCLI(LightningCLI):
@@ -38,9 +80,9 @@ class GnnlmCLI(LightningCLI):
 
 
 def lightning_main(args: list[str] | None = None) -> GnnlmCLI:
+    quiet_lightning()
     return GnnlmCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
-                    subclass_mode_data=True, args=args,
-                    save_config_kwargs={"overwrite": True})
+                    subclass_mode_data=True, args=args, save_config_kwargs={"overwrite": True})
 
 
 def _command(module: str):
@@ -48,6 +90,7 @@ def _command(module: str):
     def run(args: list[str]) -> None:
         import importlib
 
+        quiet_lightning()
         importlib.import_module(module).main(args)
     return run
 
@@ -57,13 +100,44 @@ COMMANDS = {"pipeline": _command("gnnlm.pipeline"), "sweep": _command("gnnlm.swe
             "explain": _command("gnnlm.explain")}
 
 
+def error_line(err: BaseException) -> str:
+    """The one line a user sees for an error: its message, without the traceback."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    # jsonargparse reports a failure inside a class it builds as one of the "Union subtypes":
+    # the user's error is the first of those, the rest is the parser's bookkeeping
+    found = re.search(r"Errors: - (?:Problem with given class_path '[^']*': )?(.*?)"
+                      r" - Expected a <class 'NoneType'>", message)
+    if found:
+        message = found.group(1)
+    if isinstance(err, MemoryError):
+        message = "out of memory: lower the batch size or the number of neighbours"
+    elif isinstance(err, KeyboardInterrupt):
+        message = "interrupted: a rerun resumes unfinished stages"
+    return message
+
+
 def main(argv: list[str] | None = None) -> None:
     default_wandb_offline()
-    words = sys.argv[1:] if argv is None else argv
-    if words and words[0] in COMMANDS:
-        COMMANDS[words[0]](words[1:])
-    else:
-        lightning_main(argv)  # None: LightningCLI reads sys.argv itself
+    words = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in words or os.environ.get("GNNLM_DEBUG") == "1"
+    words = [w for w in words if w != "--debug"]
+    if not words or words[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    command = words[0]
+    try:
+        if command in COMMANDS:
+            COMMANDS[command](words[1:])
+        else:
+            lightning_main(words)
+    except SystemExit:
+        raise  # argument parsers print their own short usage errors
+    except (Exception, KeyboardInterrupt) as err:
+        if debug:
+            raise
+        print(f"gnnlm {command}: error: {error_line(err)}", file=sys.stderr)
+        print("(rerun with --debug for the traceback)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from gnnlm.knn_cache import check_scores
 from gnnlm.models.base import FEATURE_KEYS
 from gnnlm.neighbors import NeighborsConfig
 from gnnlm.pq import PQConfig
+from gnnlm.ranks import check_devices
 from gnnlm.search import check_metric
 from gnnlm.tokens import TokenizerConfig
 
@@ -94,9 +95,11 @@ class FeaturesStage:
     batch_size: int = 32
     device: str = "auto"
     max_tokens: Optional[dict[str, int]] = None  # per-split prefixes, for quick runs
+    devices: Union[int, str] = 1  # encoding processes: 1 here, N > 1 sharded, "auto" every GPU
 
     def __post_init__(self):
         check_device(self.device)
+        check_devices(self.devices, "features.devices")
         if self.batch_size < 1:
             raise ValueError(f"features.batch_size must be >= 1 (got {self.batch_size}).")
 
@@ -178,19 +181,45 @@ class PipelineConfig:
     gnn: HeadStage = field(default_factory=HeadStage)
     spalm: HeadStage = field(default_factory=HeadStage)
     spalm_finetune: HeadStage = field(default_factory=HeadStage)
+    # SPALM trained end to end (SpalmXL) and its baselines on the same segments
+    transformer: HeadStage = field(default_factory=HeadStage)
+    transformer_xl: HeadStage = field(default_factory=HeadStage)
+    spalm_xl: HeadStage = field(default_factory=HeadStage)
     learned_wds: LearnedWdsStage = field(default_factory=LearnedWdsStage)
     ablations: AblationStage = field(default_factory=AblationStage)
-    rebuild: bool = False
+    rebuild: Union[bool, list[str]] = False
+
+    def rebuilds(self, stage: str) -> bool:
+        """Whether ``--rebuild`` names this stage (``true`` or ``all``: every stage). A head's
+        stage is its row name (``gnn``, ``spalm``, ...) or ``heads`` for all of them."""
+        if isinstance(self.rebuild, bool):
+            return self.rebuild
+        heads = set(self.heads()) | {"base_lm_xl"}
+        return bool({"all", stage} & set(self.rebuild)) or (
+            stage in heads and "heads" in self.rebuild)
 
     def heads(self) -> dict[str, list[str]]:
-        """Trained heads by report row: ``gnn``, ``spalm``, ``spalm_ft``, ``learned_wds…``."""
+        """Trained heads by report row: ``gnn``, ``spalm``, ``spalm_ft``, ``transformer``,
+        ``transformer_xl``, ``spalm_xl``, ``learned_wds…``."""
         rows = {"gnn": yaml_list(self.gnn.config), "spalm": yaml_list(self.spalm.config),
-                "spalm_ft": yaml_list(self.spalm_finetune.config), **self.learned_wds.named()}
+                "spalm_ft": yaml_list(self.spalm_finetune.config),
+                "transformer": yaml_list(self.transformer.config),
+                "transformer_xl": yaml_list(self.transformer_xl.config),
+                "spalm_xl": yaml_list(self.spalm_xl.config), **self.learned_wds.named()}
         return {name: paths for name, paths in rows.items() if paths}
+
+
+STAGES = ("tokens", "base_lm", "features", "index", "neighbors", "knn_cache", "pq", "heads",
+          "ablations")
 
 
 def check_contracts(cfg: PipelineConfig) -> None:
     """The settings that span several files (see the module docstring)."""
+    if not isinstance(cfg.rebuild, bool):
+        known = {"all", *STAGES, *cfg.heads(), "base_lm_xl"}
+        unknown = [s for s in cfg.rebuild if s not in known]
+        if unknown:
+            raise ValueError(f"--rebuild names stages {sorted(known)} (got {unknown}).")
     K = cfg.neighbors.K
     ks = cfg.knn.grid()[0]
     if max(ks) > K:
@@ -211,7 +240,8 @@ def _check_head(cfg: PipelineConfig, row: str, paths: list[str], merged: dict) -
     data = merged.get("data") or {}
     args: dict[str, Any] = data.get("init_args") or {}
     reads_neighbors = (data.get("class_path", "").endswith(("GraphDataModule",
-                                                           "RetrievalWindowsDataModule"))
+                                                           "RetrievalWindowsDataModule",
+                                                           "SpalmDataModule"))
                        or int(args.get("retrieved") or 0) > 0)
     if not reads_neighbors:
         return
@@ -237,7 +267,8 @@ def config_parser(prog: str = "gnnlm pipeline", description: Optional[str] = Non
     """The jsonargparse parser of a pipeline YAML (``-c``) and ``--section.field=value`` flags."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(prog=prog, description=description)
+    # errors are raised, not printed with the whole usage: the command prints one line
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
     parser.add_argument("-c", "--config", action=ActionConfigFile,
                         help="a pipeline YAML; several -c are merged in order (overlays)")
     parser.add_class_arguments(PipelineConfig)
@@ -251,7 +282,8 @@ def to_config(parser, namespace) -> PipelineConfig:
     return cfg
 
 
-def load_config(args: list[str]) -> PipelineConfig:
+def load_config(args: list[str], prog: str = "gnnlm pipeline",
+                description: Optional[str] = None) -> PipelineConfig:
     """Parse ``-c CONFIG [-c OVERLAY ...] [--section.field=value ...]`` and check it."""
-    parser = config_parser()
+    parser = config_parser(prog, description)
     return to_config(parser, parser.parse_args(args))

@@ -11,12 +11,14 @@ For split s, ``workdir.features(s)`` holds, per position t (see ``gnnlm.encode``
 The manifest records the base LM (its weights' fingerprint, which identifies it; its name; and
 where it is, relative to the work directory when inside it), the tokens fingerprint, and the
 context/stride protocol. Windows are written in fixed chunks with progress recorded after each,
-so a killed build resumes at the next chunk and ends with the same bytes.
+so a killed build resumes at the next chunk and ends with the same bytes. With ``devices`` > 1
+the chunks are shared among that many processes (``gnnlm.shards``, ``gnnlm.ranks``): the same
+bytes again, and a killed build resumes with any number of processes.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -24,9 +26,10 @@ import numpy as np
 import torch
 
 from gnnlm.artifacts import ArtifactBuilder, ArtifactError, open_array, read_manifest
-from gnnlm.devices import torch_device
 from gnnlm.encode import encode_windows, protocol, sliding_windows
 from gnnlm.models.base import FEATURE_KEYS, BaseLM
+from gnnlm.ranks import Devices, Rank, run_on_ranks
+from gnnlm.shards import ShardedJob, totals
 from gnnlm.tokens import TokenStore
 from gnnlm.workdir import SPLITS, Workdir
 
@@ -36,57 +39,114 @@ def build_features(model: BaseLM, store: TokenStore, workdir: Workdir, split: st
                    batch_size: int = 16, chunk_windows: int = 256,
                    max_tokens: int | None = None, device: str = "auto",
                    location: Optional[str] = None, rebuild: bool = False,
-                   stop_after_chunks: int | None = None) -> dict:
+                   stop_after_chunks: int | None = None, devices: Devices = 1,
+                   strategy: str = "ddp_spawn") -> dict:
     """Encode ``split`` into ``workdir.features(split)`` (skips a complete build; resumes a
     partial one).
 
     ``max_tokens`` keeps a prefix of the split. ``location`` records where the base LM can be
     loaded from (a checkpoint path, kept relative to the work directory, or ``hf:<name>``).
-    ``stop_after_chunks`` stops early without completing (used to test resumption).
+    ``devices`` > 1 encodes on that many processes (one per GPU on CUDA, see ``gnnlm.ranks``),
+    each writing its share of the chunks; the files are the same bytes as with one process, and
+    a partial build resumes with any number of processes. ``stop_after_chunks`` stops each rank
+    after that many chunks without completing (used to test resumption).
     """
-    out_dir = workdir.features(split)
-    tokens = np.asarray(store.split(split)[:max_tokens])
-    n = len(tokens)
+    n = len(store.split(split)[:max_tokens])
     if n == 0:
-        raise ValueError(f"Split {split!r} of {store.path} has no tokens.")
+        raise ValueError(f"Split {split!r} has no tokens to encode (features.max_tokens: "
+                         f"{max_tokens}, tokens in {store.path}): give every split a positive "
+                         f"prefix.")
     context = min(context, n, model.context_length)
     stride = min(stride, context)
-    builder = ArtifactBuilder(
-        out_dir, kind="features",
-        config={"split": split, "context": context, "stride": stride, "max_tokens": max_tokens,
-                "with_logprob": with_logprob, "chunk_windows": chunk_windows},
-        inputs={"base_lm_fingerprint": model.fingerprint(),
-                "tokens": store.manifest["fingerprint"]},
-        rebuild=rebuild)
-    if builder.is_complete():
-        return read_manifest(out_dir)
     starts, _ = sliding_windows(n, context, stride)
-    n_chunks = -(-len(starts) // chunk_windows)
-    on = torch_device(device)
-    model = model.to(on).eval()
-    t0 = time.perf_counter()
-    with builder:
-        d = model.hidden_size
-        arrays = {key: builder.array(key, np.float16, (n, d)) for key in FEATURE_KEYS}
-        targets = builder.array("targets", np.int32, (n,))
-        logprob = builder.array("lm_logprob", np.float32, (n,)) if with_logprob else None
-        for chunk in builder.chunks(n_chunks, f"features {split}", stop_after_chunks):
-            window_range = (chunk * chunk_windows, min((chunk + 1) * chunk_windows, len(starts)))
-            for batch in encode_windows(model, tokens, store.bos_id, context, stride,
-                                        window_range, batch_size, with_logprob, on):
+    job = FeaturesJob(out_dir=workdir.features(split), model=model,
+                      tokens_path=Path(store.path), tokens_manifest=store.manifest, split=split,
+                      n=n, context=context, stride=stride,
+                      with_logprob=with_logprob, batch_size=batch_size,
+                      chunk_windows=chunk_windows, n_windows=len(starts),
+                      max_tokens=max_tokens, location=location, rebuild=rebuild,
+                      stop_after=stop_after_chunks)
+    if job.builder().is_complete():
+        return read_manifest(workdir.features(split))
+    return run_on_ranks(job, devices, device, strategy)
+
+
+@dataclass
+class FeaturesJob(ShardedJob):
+    """The features of one split on one rank: chunk c holds windows
+    ``[c * chunk_windows, (c + 1) * chunk_windows)``, encoded in the same batches by any rank."""
+    out_dir: Path
+    model: BaseLM
+    tokens_path: Path
+    tokens_manifest: dict
+    split: str
+    n: int
+    context: int
+    stride: int
+    with_logprob: bool
+    batch_size: int
+    chunk_windows: int
+    n_windows: int
+    max_tokens: Optional[int]
+    location: Optional[str]
+    rebuild: bool
+    stop_after: Optional[int]
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n_windows // self.chunk_windows)
+
+    @property
+    def desc(self) -> str:
+        return f"features {self.split}"
+
+    def builder(self) -> ArtifactBuilder:
+        return ArtifactBuilder(
+            self.out_dir, kind="features",
+            config={"split": self.split, "context": self.context, "stride": self.stride,
+                    "max_tokens": self.max_tokens, "with_logprob": self.with_logprob,
+                    "chunk_windows": self.chunk_windows},
+            inputs={"base_lm_fingerprint": self.model.fingerprint(),
+                    "tokens": self.tokens_manifest["fingerprint"]},
+            rebuild=self.rebuild)
+
+    def tokens(self) -> np.ndarray:
+        stream = open_array(self.tokens_path, self.split, self.tokens_manifest)
+        return np.asarray(stream[:self.n])
+
+    def setup(self, builder: ArtifactBuilder) -> None:
+        n, d = self.n, self.model.hidden_size
+        for key in FEATURE_KEYS:
+            builder.array(key, np.float16, (n, d))
+        builder.array("targets", np.int32, (n,))[:] = self.tokens().astype(np.int32)
+        if self.with_logprob:
+            builder.array("lm_logprob", np.float32, (n,))
+
+    def work(self, rank: Rank, chunks: Iterator[tuple[int, dict]],
+             arrays: dict[str, np.ndarray]) -> None:
+        model = self.model.to(rank.device).eval()
+        tokens = self.tokens()
+        bos_id = int(self.tokens_manifest["bos_id"])
+        logprob = arrays.get("lm_logprob")
+        for chunk, _ in chunks:
+            window_range = (chunk * self.chunk_windows,
+                            min((chunk + 1) * self.chunk_windows, self.n_windows))
+            for batch in encode_windows(model, tokens, bos_id, self.context, self.stride,
+                                        window_range, self.batch_size, self.with_logprob,
+                                        rank.device):
                 span = slice(batch.start, batch.start + batch.final.shape[0])
                 arrays["final"][span] = batch.final.cpu().numpy().astype(np.float16)
                 arrays["att"][span] = batch.att.cpu().numpy().astype(np.float16)
                 if logprob is not None and batch.logprob is not None:
                     logprob[span] = batch.logprob.cpu().numpy()
-        if builder.interrupted:
-            return {}
-        targets[:] = tokens.astype(np.int32)
-        identity = {**model.identity(), "location": location}
-        return builder.finish(extra={
-            "n": n, "dim": d, "protocol": protocol(context, stride), "keys": list(FEATURE_KEYS),
-            "base_lm": identity, "vocab_size": store.vocab_size,
-            "seconds": round(time.perf_counter() - t0, 2)})
+
+    def extra(self, rank: Rank, done: dict[int, dict], wall_seconds: float) -> dict:
+        identity = {**self.model.identity(), "location": self.location}
+        return {"n": self.n, "dim": self.model.hidden_size,
+                "protocol": protocol(self.context, self.stride), "keys": list(FEATURE_KEYS),
+                "base_lm": identity, "vocab_size": int(self.tokens_manifest["vocab_size"]),
+                "seconds": wall_seconds, "devices": rank.world,
+                "encode_seconds": round(float(totals(done).get("seconds", 0.0)), 2)}
 
 
 def open_features(path: str | Path, expect_lm: dict | None = None) -> tuple[dict, dict]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +84,11 @@ def to_dense(batch, config: GraphConfig, x_key: str = "x") -> tuple[Tensor, Tens
                                 config.ctx_window)
 
 
-def _fold(lin: nn.Module, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+def _linear(modules: nn.ModuleDict, node_type: str) -> nn.Linear:
+    return cast(nn.Linear, modules[node_type])
+
+
+def _fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """W^k followed by the head-wise W^ATT (or W^v by W^FEA) as one [d, d] linear map, so that
     ``F.linear(h, *_fold(W^k, W^ATT))`` is K(s) W^ATT of eq. 2 (and likewise eq. 3)."""
     H, D, _ = relation.shape
@@ -104,8 +108,8 @@ def _project(h: Tensor, maps: list[tuple[Tensor, Optional[Tensor]]], H: int, D: 
     return [part.view(*h.shape[:-1], H, D) for part in out.split(H * D, dim=-1)]
 
 
-def _softmax_attend(scores: Tensor, mask: Tensor, values: list[Tensor], dropout: float,
-                    training: bool) -> Tensor:
+def _softmax_attend(scores: Tensor, mask: Tensor, values: Union[Tensor, list[Tensor]],
+                    dropout: float, training: bool) -> Tensor:
     """``scores`` [..., S, H] of S sources (``mask`` [..., S]) → Σ_s att_s · values[s]
     [..., H, D], with ``values`` a list of S tensors [..., H, D] or one [..., S, H, D] tensor.
     Rows without sources aggregate to zero (no NaN, forward or backward)."""
@@ -114,7 +118,10 @@ def _softmax_attend(scores: Tensor, mask: Tensor, values: list[Tensor], dropout:
     att = F.dropout(att, dropout, training)
     if isinstance(values, Tensor):
         return (att[..., None] * values).sum(dim=-3)
-    return sum(att[..., s, :, None] * v for s, v in enumerate(values))
+    out = att[..., 0, :, None] * values[0]
+    for s in range(1, len(values)):
+        out = out + att[..., s, :, None] * values[s]
+    return out
 
 
 def conv_dense(conv: GNNLMConv, ctx: Tensor, nbr: Tensor, graph: DenseGraph
@@ -130,12 +137,12 @@ def conv_dense(conv: GNNLMConv, ctx: Tensor, nbr: Tensor, graph: DenseGraph
     out_ctx, out_nbr = ctx, nbr
 
     # window nodes: their keys and values for each relation they send on, and their queries
-    maps = [_fold(conv.k_lin["nbr"], conv.w_att["inter"]),
-            _fold(conv.v_lin["nbr"], conv.w_fea["inter"])]
+    maps = [_fold(_linear(conv.k_lin, "nbr"), conv.w_att["inter"]),
+            _fold(_linear(conv.v_lin, "nbr"), conv.w_fea["inter"])]
     if update_nbr:
-        maps += [_fold(conv.k_lin["nbr"], conv.w_att["intra"]),
-                 _fold(conv.v_lin["nbr"], conv.w_fea["intra"]),
-                 (conv.q_lin["nbr"].weight, conv.q_lin["nbr"].bias)]
+        maps += [_fold(_linear(conv.k_lin, "nbr"), conv.w_att["intra"]),
+                 _fold(_linear(conv.v_lin, "nbr"), conv.w_fea["intra"]),
+                 (_linear(conv.q_lin, "nbr").weight, _linear(conv.q_lin, "nbr").bias)]
     # a last layer under inter="retrieved" only reads the retrieved tokens
     senders = h["nbr"] if update_nbr or graph.inter == "window" else \
         h["nbr"][:, :, :, graph.center:graph.center + 1]
@@ -143,9 +150,9 @@ def conv_dense(conv: GNNLMConv, ctx: Tensor, nbr: Tensor, graph: DenseGraph
 
     if "ctx" in conv.out_types:
         q, key, feat = _project(h["ctx"], [
-            (conv.q_lin["ctx"].weight, conv.q_lin["ctx"].bias),
-            _fold(conv.k_lin["ctx"], conv.w_att["intra"]),
-            _fold(conv.v_lin["ctx"], conv.w_fea["intra"])], H, D)          # each [B, T, H, D]
+            (_linear(conv.q_lin, "ctx").weight, _linear(conv.q_lin, "ctx").bias),
+            _fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"]),
+            _fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"])], H, D)  # each [B, T, H, D]
         # ctx ← ctx: causal attention; μ/√d folded into the query, per head
         scale = (conv.mu["__".join(CTX_INTRA)] / root)[None, :, None, None]
         causal = F.scaled_dot_product_attention(

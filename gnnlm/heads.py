@@ -35,10 +35,15 @@ class SpalmGate(nn.Module):
         nn.init.constant_(self.gate.bias, gate_bias)
 
     def forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
-                force_gate: Optional[float] = None) -> tuple[Tensor, Tensor]:
-        """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B, d])``."""
+                force_gate: Optional[float] = None, value_weight: Optional[Tensor] = None
+                ) -> tuple[Tensor, Tensor]:
+        """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B, d])``.
+
+        The y_k are rows of ``value_weight`` (default: ``weight``, SPALM's one W; a separate
+        tensor lets a caller follow or cut the gradient of each path on its own)."""
         valid = nbr_values >= 0                                           # [B, K]
-        y = weight[nbr_values.clamp(min=0)]                               # [B, K, d]
+        table = weight if value_weight is None else value_weight
+        y = table[nbr_values.clamp(min=0)]                                # [B, K, d]
         scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
         attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)              # no neighbour → m = 0
         m = torch.einsum("bk,bkd->bd", attn, y)                           # [B, d]

@@ -20,19 +20,30 @@ the unmasked search's top K that leakage removed). Valid/test queries are not ma
 ``backend="exact"`` searches exactly in torch over the stored train keys (Xu et al.'s "real
 mask" ablation); ``"index"`` uses the FAISS index ("FAISS mask"). The build goes in fixed chunks
 of positions with progress after each, so a killed build resumes and ends with the same bytes.
+``devices`` > 1 shares the chunks among processes (``gnnlm.shards``): one per GPU on CUDA, each
+with its own copy of the index on its GPU when faiss has GPU support; the same bytes again, and a
+killed build resumes with any number of processes. ``shard_index`` instead spreads one index
+over every GPU of one process (``gnnlm.multi_gpu``).
 """
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Union
 
+import faiss
 import numpy as np
+import torch
 
 from gnnlm.artifacts import ArtifactBuilder, ArtifactError, check_inputs, open_array, read_manifest
 from gnnlm.datastore import check_key, open_features
+from gnnlm.devices import faiss_has_gpu
+from gnnlm.multi_gpu import require_faiss_gpu, shard_over_gpus
+from gnnlm.progress import say
+from gnnlm.ranks import Rank, check_devices, run_on_ranks
 from gnnlm.search import Searcher
+from gnnlm.shards import ShardedJob, totals
 from gnnlm.workdir import Workdir
 
 
@@ -45,6 +56,12 @@ class NeighborsConfig:
     features' context length. 0 disables masking (an ablation only).
     ``train_queries`` retrieves for the first N train positions only (the prefix that heads
     train on; the datastore itself stays whole); valid and test always get every position.
+    ``devices`` searches the query chunks on that many processes (one per GPU on CUDA; "auto":
+    every GPU), with the same bytes as one process. ``shard_index`` spreads the faiss index over
+    every GPU of one process (an index too large for one GPU; needs faiss-gpu). Neither changes
+    the artifact, so neither is part of its fingerprint. ``nprobe`` and ``rerank`` are the
+    index's search settings (``gnnlm.tuning``): ``"auto"`` takes those the index stage measured
+    to reach its target recall.
     """
     K: int = 1024
     leakage_window: int | None = None
@@ -52,6 +69,10 @@ class NeighborsConfig:
     batch_size: int = 4096
     backend: Literal["index", "exact"] = "index"
     chunk: int = 65536
+    devices: Union[int, Literal["auto"]] = 1
+    shard_index: bool = False
+    nprobe: Union[int, Literal["auto"]] = "auto"
+    rerank: Union[float, Literal["auto"]] = "auto"
 
     def __post_init__(self):
         for name in ("K", "batch_size", "chunk"):
@@ -66,6 +87,24 @@ class NeighborsConfig:
         if self.backend not in ("index", "exact"):
             raise ValueError(f"neighbors.backend must be 'index' or 'exact' "
                              f"(got {self.backend!r}).")
+        check_devices(self.devices, "neighbors.devices")
+        if self.nprobe != "auto" and int(self.nprobe) < 1:
+            raise ValueError(f"neighbors.nprobe must be >= 1 or 'auto' (got {self.nprobe}).")
+        if self.rerank != "auto" and not (float(self.rerank) == 0 or float(self.rerank) >= 1):
+            raise ValueError(f"neighbors.rerank must be 0 (the index's own scores), >= 1 "
+                             f"(candidates per neighbour, re-ranked exactly) or 'auto' "
+                             f"(got {self.rerank}).")
+        if self.shard_index and (self.backend != "index" or self.devices != 1):
+            raise ValueError(f"neighbors.shard_index spreads one faiss index over the GPUs of "
+                             f"one process: it needs backend 'index' and devices 1 (got "
+                             f"backend={self.backend!r}, devices={self.devices!r}).")
+
+    def fingerprint_config(self) -> dict:
+        """The fields that define the neighbours (how many processes searched them does not)."""
+        cfg = asdict(self)
+        for name in ("devices", "shard_index", "nprobe", "rerank"):  # resolved ones: `search`
+            cfg.pop(name)
+        return cfg
 
 
 def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, window: int, K: int
@@ -96,13 +135,15 @@ def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, windo
 def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
                     config: NeighborsConfig | None = None, leakage_window: int | None = None,
                     rebuild: bool = False, stop_after_chunks: int | None = None,
-                    device: str = "auto") -> dict:
+                    device: str = "auto", strategy: str = "ddp_spawn") -> dict:
     """Neighbours of every position of ``split`` among the train ``key`` keys under ``metric``
     (skips a complete build; resumes a partial one).
 
     ``config.backend`` picks the FAISS index ``workdir.index(key, metric)`` or exact search over
-    the same keys. ``stop_after_chunks`` stops early without completing (used to test
-    resumption).
+    the same keys. ``config.devices`` > 1 searches on that many processes (``gnnlm.ranks``),
+    each writing its query chunks: the same bytes as one process, and the manifest's counts and
+    search seconds summed over them. ``stop_after_chunks`` stops each rank after that many
+    chunks without completing (used to test resumption).
     """
     config = config or NeighborsConfig()
     index_path = workdir.index(key, metric)
@@ -127,8 +168,7 @@ def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
         raise ValueError("Train queries need a leakage window W (neighbors.leakage_window, "
                          "default: the base LM's context length) (got None).")
     window = int(given) if masked and given is not None else 0
-    queries = query_arrays[key]                                        # [N, d] float16
-    n = int(queries.shape[0])
+    n = int(query_arrays[key].shape[0])
     if split == "train" and config.train_queries is not None:
         n = min(n, config.train_queries)  # heads train on this prefix; the datastore stays whole
     ntotal = int(index_manifest["n"])
@@ -136,62 +176,137 @@ def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
         raise ValueError(f"neighbors.K must not exceed the datastore size {ntotal} "
                          f"(got {config.K}): lower K or build a larger datastore.")
     width = min(config.K + window + 1, ntotal) if masked and window > 0 else config.K
-    out_dir = workdir.neighbors(key, metric, split)
-    builder = ArtifactBuilder(
-        out_dir, kind="neighbors",
-        config={**asdict(config), "leakage_window": window if masked else None, "split": split},
+    search = {"nprobe": int(index_manifest.get("nprobe", 1) if config.nprobe == "auto"
+                            else config.nprobe),
+              "rerank": float(index_manifest.get("rerank", 0.0) if config.rerank == "auto"
+                              else config.rerank)}
+    if config.backend == "exact":
+        search = {}
+    job = NeighborsJob(
+        out_dir=workdir.neighbors(key, metric, split), workdir=workdir, split=split, key=key,
+        metric=metric, config=config, masked=masked, window=window, n=n, width=width,
         inputs={"index": index_manifest["fingerprint"], "features": query_manifest["fingerprint"],
                 "train_features": train_manifest["fingerprint"]},
-        rebuild=rebuild)
-    if builder.is_complete():
-        return read_manifest(out_dir)
-    if config.backend == "index":
-        searcher = Searcher.open(index_path, device=device)
-    else:
-        searcher = Searcher.exact(workdir, key, metric, device=device)
-    n_chunks = -(-n // config.chunk)
-    names = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
-    with builder:
-        ids_out = builder.array("ids", np.int32, (n, config.K))
-        sims_out = builder.array("sims", np.float32, (n, config.K))
-        counts = builder.progress
-        for chunk in builder.chunks(n_chunks, f"neighbours {split}", stop_after_chunks):
-            t0 = time.perf_counter()
-            stop = min((chunk + 1) * config.chunk, n)
-            for start in range(chunk * config.chunk, stop, config.batch_size):
-                end = min(start + config.batch_size, stop)
+        index_facts={"factory": index_manifest["factory"], "recall": index_manifest.get("recall")},
+        search=search,
+        base_lm=asked, device=device, rebuild=rebuild, stop_after=stop_after_chunks)
+    if job.builder().is_complete():
+        return read_manifest(job.out_dir)
+    if config.shard_index:
+        require_faiss_gpu("A sharded multi-GPU index (neighbors.shard_index)")
+    return run_on_ranks(job, config.devices, device, strategy)
+
+
+COUNTS = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
+
+
+@dataclass
+class NeighborsJob(ShardedJob):
+    """The neighbours of one split on one rank: chunk c holds query positions
+    ``[c * chunk, (c + 1) * chunk)``, searched in the same batches by any rank."""
+    out_dir: Path
+    workdir: Workdir
+    split: str
+    key: str
+    metric: str
+    config: NeighborsConfig
+    masked: bool
+    window: int
+    n: int
+    width: int
+    inputs: dict
+    index_facts: dict
+    search: dict
+    base_lm: dict
+    device: str
+    rebuild: bool
+    stop_after: int | None
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n // self.config.chunk)
+
+    @property
+    def desc(self) -> str:
+        return f"neighbours {self.split}"
+
+    def builder(self) -> ArtifactBuilder:
+        return ArtifactBuilder(
+            self.out_dir, kind="neighbors",
+            config={**self.config.fingerprint_config(), "search": self.search,
+                    "leakage_window": self.window if self.masked else None, "split": self.split},
+            inputs=self.inputs, rebuild=self.rebuild)
+
+    def setup(self, builder: ArtifactBuilder) -> None:
+        builder.array("ids", np.int32, (self.n, self.config.K))
+        builder.array("sims", np.float32, (self.n, self.config.K))
+
+    def searcher(self, rank: Rank) -> Searcher:
+        """The search of one rank: the caller's device in-process; otherwise the rank's own
+        GPU (faiss-gpu, or exact search in torch), or the CPU."""
+        if rank.world == 1:
+            device = self.device
+        elif rank.device.type == "cuda":
+            device = f"cuda:{rank.device.index or 0}"
+        else:
+            device = "cpu"
+            faiss.omp_set_num_threads(torch.get_num_threads())  # the cores shared among ranks
+        if self.config.backend == "exact":
+            return Searcher.exact(self.workdir, self.key, self.metric, device=device)
+        if self.config.shard_index:
+            return shard_over_gpus(Searcher.for_workdir(self.workdir, self.key, self.metric,
+                                                        device="cpu", **self.search), self.width)
+        if device.startswith("cuda") and not faiss_has_gpu():
+            device = "cpu"
+            if rank.rank == 0:
+                say("[gnnlm] neighbours: this faiss has no GPU support: the index is searched "
+                    "on the CPU (neighbors.backend: exact searches on the GPUs)")
+        return Searcher.for_workdir(self.workdir, self.key, self.metric, device=device,
+                                    **self.search)
+
+    def work(self, rank: Rank, chunks: Iterator[tuple[int, dict]],
+             arrays: dict[str, np.ndarray]) -> None:
+        searcher = self.searcher(rank)
+        queries = open_features(self.workdir.features(self.split))[1][self.key]  # [N, d] fp16
+        K, size, batch = self.config.K, self.config.chunk, self.config.batch_size
+        for chunk, stats in chunks:
+            stop = min((chunk + 1) * size, self.n)
+            for start in range(chunk * size, stop, batch):
+                end = min(start + batch, stop)
                 sims, ids = searcher.search(np.asarray(queries[start:end], dtype=np.float32),
-                                            width)                     # [b, width]
-                if masked and window > 0:
+                                            self.width)                # [b, width]
+                if self.masked and self.window > 0:
                     positions = np.arange(start, end, dtype=np.int64)
-                    sims, ids, c = mask_leakage(sims, ids, positions, window, config.K)
-                    for name in names:
-                        counts[name] = counts.get(name, 0) + c[name]
+                    sims, ids, c = mask_leakage(sims, ids, positions, self.window, K)
+                    for name in COUNTS:
+                        stats[name] = stats.get(name, 0) + c[name]
                 else:
-                    sims, ids = sims[:, :config.K], ids[:, :config.K]
-                ids_out[start:end] = ids
-                sims_out[start:end] = sims
-            counts["search_seconds"] = counts.get("search_seconds", 0.0) + time.perf_counter() - t0
-        if builder.interrupted:
-            return {}
-        seconds = counts.get("search_seconds", 0.0)
+                    sims, ids = sims[:, :K], ids[:, :K]
+                arrays["ids"][start:end] = ids
+                arrays["sims"][start:end] = sims
+
+    def extra(self, rank: Rank, done: dict[int, dict], wall_seconds: float) -> dict:
+        summed = totals(done)
+        seconds = float(summed.get("seconds", 0.0))
         stats = {}
-        if masked:
-            totals = {name: counts.get(name, 0) for name in names}
-            stats = {**totals,
-                     "masked_fraction": totals["dropped"] / max(totals["retrieved"], 1),
-                     "masked_fraction_top_k": (totals["dropped_top_k"]
-                                               / max(totals["retrieved_top_k"], 1))}
-        return builder.finish(extra={
-            "split": split, "n": n, "K": config.K, "key": key, "metric": metric,
-            "backend": config.backend,
-            "factory": index_manifest["factory"] if config.backend == "index" else "exact",
-            "nprobe": getattr(searcher, "nprobe", None),
-            "leakage_window": window if masked else None, "search_k": width, "masked": masked,
-            **stats,
-            "base_lm": asked, "index_recall": index_manifest.get("recall"),
+        if self.masked:
+            counts = {name: int(summed.get(name, 0)) for name in COUNTS}
+            stats = {**counts,
+                     "masked_fraction": counts["dropped"] / max(counts["retrieved"], 1),
+                     "masked_fraction_top_k": (counts["dropped_top_k"]
+                                               / max(counts["retrieved_top_k"], 1))}
+        index_backend = self.config.backend == "index"
+        return {
+            "split": self.split, "n": self.n, "K": self.config.K, "key": self.key,
+            "metric": self.metric, "backend": self.config.backend,
+            "factory": self.index_facts["factory"] if index_backend else "exact",
+            "nprobe": self.search.get("nprobe"), "rerank": self.search.get("rerank"),
+            "leakage_window": self.window if self.masked else None, "search_k": self.width,
+            "masked": self.masked, **stats,
+            "base_lm": self.base_lm, "index_recall": self.index_facts["recall"],
             "search_seconds": round(seconds, 3),
-            "queries_per_s": round(n / seconds, 1) if seconds > 0 else None})
+            "queries_per_s": round(self.n / seconds, 1) if seconds > 0 else None,
+            "devices": rank.world, "wall_seconds": wall_seconds}
 
 
 def neighbor_values(ids: np.ndarray, train_targets: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ This module only orders the stages; each lives in its own module (see ARCHITECTU
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict
 from typing import Optional
 
@@ -18,7 +19,7 @@ import numpy as np
 from gnnlm.ablations import run_ablations
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.checkpoints import datamodule_args
-from gnnlm.config import CorpusStage, PipelineConfig, load_config, yaml_list
+from gnnlm.config import CorpusStage, PipelineConfig, load_config, merged_yaml, yaml_list
 from gnnlm.datastore import build_all_features
 from gnnlm.index import build_index
 from gnnlm.knn import fit_and_score, fit_lambda, interpolate
@@ -26,7 +27,7 @@ from gnnlm.knn_cache import build_knn_cache, open_knn_cache
 from gnnlm.models import BaseLM, load_base_lm
 from gnnlm.neighbors import build_neighbors
 from gnnlm.pq import build_pq
-from gnnlm.runner import fit_with_cli, head_logprobs, memory_rows
+from gnnlm.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
 from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
 from gnnlm.workdir import EVAL_SPLITS, SPLITS, Workdir
 
@@ -37,15 +38,18 @@ def stage_base_lm(cfg: PipelineConfig, workdir: Workdir) -> tuple[BaseLM, TokenS
     spec = cfg.base_lm
     if spec.ckpt is None:
         manifest = fit_with_cli(workdir, "base_lm", yaml_list(spec.config), {}, predict=False,
-                                rebuild=cfg.rebuild)
+                                rebuild=cfg.rebuilds("base_lm"))
         ckpt = str(workdir.head("base_lm") / manifest["ckpt"])
     else:
         ckpt, manifest = spec.ckpt, {}
     model = load_base_lm(ckpt)
+    existed = (workdir.tokens / "manifest.json").is_file()
     store = stage_tokens(cfg, workdir, ckpt)
     if store.vocab_size != model.vocab_size:
+        if not existed:  # this run's tokens fail validation: leave nothing that looks complete
+            shutil.rmtree(workdir.tokens)
         raise ValueError(f"The base LM {model.name} has {model.vocab_size} outputs but the "
-                         f"tokenizer of {store.path} has {store.vocab_size} types: they must "
+                         f"tokenizer of the corpus has {store.vocab_size} types: they must "
                          f"match (for a Hugging Face LM use tokenizer kind 'hf' with its path).")
     location = ckpt if ckpt.startswith("hf:") else workdir.relative(ckpt)
     return model, store, manifest, location
@@ -63,7 +67,7 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
         raise ValueError(f"Cannot tell which corpus and tokenizer the base LM {ckpt} reads: "
                          f"add a `corpus:` section to the pipeline config.")
     return build_tokens(workdir.tokens, corpus.name, corpus.path, corpus.data_dir,
-                        corpus.tokenizer)
+                        corpus.tokenizer, rebuild=cfg.rebuilds("tokens"))
 
 
 def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdir: Workdir,
@@ -73,7 +77,7 @@ def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdi
     stride = fc.stride or max(1, context // 2)
     return build_all_features(model, store, workdir, context, stride, batch_size=fc.batch_size,
                               device=fc.device, max_tokens=fc.max_tokens, location=location,
-                              rebuild=cfg.rebuild)
+                              rebuild=cfg.rebuilds("features"), devices=fc.devices)
 
 
 def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_window: int
@@ -82,12 +86,14 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
     for leakage) are searched for the primary key only: the one the heads' graphs and memories
     read; the other keys serve the kNN-LM comparison."""
     metric = cfg.knn.metric
-    index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuild)
+    index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuilds("index"))
     neighbors = {split: build_neighbors(workdir, split, key, metric, cfg.neighbors,
-                                        leakage_window=leakage_window, rebuild=cfg.rebuild)
+                                        leakage_window=leakage_window,
+                                        rebuild=cfg.rebuilds("neighbors"))
                  for split in (SPLITS if key == cfg.knn.primary else EVAL_SPLITS)}
     for split in EVAL_SPLITS:
-        build_knn_cache(workdir, split, key, metric, cfg.knn.scores, rebuild=cfg.rebuild)
+        build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
+                        rebuild=cfg.rebuilds("knn_cache"))
     return {"index": index, "neighbors": neighbors}
 
 
@@ -111,11 +117,12 @@ def stage_heads(cfg: PipelineConfig, workdir: Workdir) -> dict[str, dict]:
     """Every configured head, trained once (PQ codes first when GNN-LM reads them)."""
     heads = {}
     for row, configs in cfg.heads().items():
-        if row == "gnn":
-            build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuild)
+        data = (merged_yaml(configs).get("data") or {}).get("init_args") or {}
+        if row == "gnn" and data.get("node_features", "pq") == "pq":
+            build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
         artifact = row.replace("[n=", "_n").rstrip("]")
         heads[row] = fit_with_cli(workdir, artifact, configs, head_inputs(workdir),
-                                  rebuild=cfg.rebuild)
+                                  rebuild=cfg.rebuilds(row))
     return heads
 
 
@@ -128,12 +135,12 @@ def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict) -> O
                                  )["fingerprint"] for key in retrieval}
     if stage.memory_lm:
         memory = fit_with_cli(workdir, "base_lm_xl", yaml_list(stage.memory_lm), {},
-                              predict=False, rebuild=cfg.rebuild)
+                              predict=False, rebuild=cfg.rebuilds("base_lm_xl"))
         inputs["memory_lm"] = memory["fingerprint"]
     builder = ArtifactBuilder(workdir.ablations, kind="ablations",
                               config={**asdict(stage), "grid": cfg.knn.grid(),
                                       "metric": cfg.knn.metric, "keys": cfg.knn.keys},
-                              inputs=inputs, rebuild=cfg.rebuild)
+                              inputs=inputs, rebuild=cfg.rebuilds("ablations"))
     if builder.is_complete():
         return read_manifest(workdir.ablations)["result"]
     with builder:
@@ -147,11 +154,20 @@ def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict) -> O
     return result
 
 
+def fit_chains(cfg: PipelineConfig) -> list[list[str]]:
+    """The ``gnnlm fit`` configs of every trained part the pipeline will run."""
+    chains = [yaml_list(cfg.base_lm.config) if cfg.base_lm.ckpt is None else [],
+              yaml_list(cfg.ablations.memory_lm), *cfg.heads().values()]
+    return [chain for chain in chains if chain]
+
+
 def run(cfg: PipelineConfig) -> dict:
     """Run every stage; return the results dict also written to ``reports/<name>/``."""
     from gnnlm.report import write_report
 
     workdir = Workdir(cfg.workdir)
+    for chain in fit_chains(cfg):  # every trained part's config parses, before any work
+        check_fit_config(chain)
     workdir.root.mkdir(parents=True, exist_ok=True)
     model, store, base_manifest, location = stage_base_lm(cfg, workdir)
     feature_manifests = stage_features(cfg, model, store, workdir, location)
@@ -192,7 +208,10 @@ def run(cfg: PipelineConfig) -> dict:
 
 
 def main(args: list[str]) -> None:
+    """``gnnlm pipeline``: runs every stage and writes its artifacts under ``workdir`` (tokens,
+    features, index, neighbors, knn_cache, pq, heads, ablations) and the report
+    ``reports/<name>/`` (results.json, results.md, per-token scores, plots); prints the table."""
     from gnnlm.report import print_table
 
-    cfg = load_config(args)
+    cfg = load_config(args, description=main.__doc__)
     print_table(run(cfg), Workdir(cfg.workdir))

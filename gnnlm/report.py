@@ -13,11 +13,15 @@ import numpy as np
 
 from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
 from gnnlm.metrics import ppl_from_logprobs
+from gnnlm.spalm_analysis import markdown as spalm_markdown
+from gnnlm.spalm_analysis import results_section as spalm_section
 from gnnlm.workdir import EVAL_SPLITS, Workdir
 
 ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN",
-             "spalm": "SPALM (gated long-term memory)",
-             "spalm_ft": "SPALM, last block fine-tuned"}
+             "spalm": "SPALM: gate on frozen LM", "spalm_ft": "SPALM: gate + last block",
+             "transformer": "transformer (no memory)",
+             "transformer_xl": "Transformer-XL (short-term memory)",
+             "spalm_xl": "SPALM (short + long-term memory)"}
 
 
 def row_name(name: str) -> str:
@@ -73,7 +77,7 @@ def _stage_seconds(cfg, workdir: Workdir, retrieval: dict, heads: dict, base_man
         timing[f"knn_cache[{key}]"] = sum(
             read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, s)).get(
                 "seconds", 0) for s in EVAL_SPLITS)
-    if "gnn" in heads:
+    if "gnn" in heads and (workdir.pq(cfg.knn.primary) / "manifest.json").is_file():
         timing["pq"] = read_manifest(workdir.pq(cfg.knn.primary)).get("seconds", 0)
     for name, manifest in heads.items():
         timing[name] = manifest.get("train_seconds", 0.0)
@@ -103,6 +107,7 @@ def _markdown(results: dict) -> str:
             lines.append(f"| [{r['recall_range'][0]}, {r['recall_range'][1]}] | {r['tokens']} | "
                          f"{r['base_logprob']:.2f} | {r['model_logprob']:.2f} | "
                          f"{r['absolute_improvement']:.2f} | {r['relative_improvement']:.0%} |")
+    lines += spalm_markdown(results.get("spalm_xl_analysis"), row_name("spalm_xl"))
     lines += _ablation_markdown(results.get("ablations"))
     lines += ["", "Retrieval:", ""]
     for key, info in results["retrieval"].items():
@@ -167,7 +172,7 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
         if len(per_split["test"]) != test_n:
             raise RuntimeError(f"{name} scored {len(per_split['test'])} test tokens, not {test_n}.")
     order = ["base", "knn", *sorted(n for n in scores if n.startswith("knn[")), "gnn", "gnn+knn",
-             "spalm", "spalm_ft"]
+             "spalm", "spalm_ft", "transformer", "transformer_xl", "spalm_xl"]
     names = [n for n in order if n in scores] + sorted(n for n in scores if n not in order)
     ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
@@ -198,6 +203,9 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
         if head in heads and "gate" in heads[head]:
             results[f"{head}_gate"] = heads[head]["gate"]
             plot_gate_histogram(heads[head]["gate"]["histogram"], out / f"{head}_gate_hist.png")
+    if "spalm_xl" in heads:  # SPALM §5: gates (valid, test), k curve, frequency buckets
+        results["spalm_xl_analysis"] = spalm_section(workdir, heads["spalm_xl"], scores,
+                                                     plot=out / "spalm_xl_gate_hist.png")
     if ablations:
         results["ablations"] = ablations
         for png in workdir.ablations.glob("*.png"):

@@ -7,6 +7,7 @@ glue (``gnnlm.lit``, ``datamodules``).
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Optional
@@ -54,6 +55,8 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
                 builder.array(f"{split}_logprob", np.float32, (n,))[...] = predict_logprobs(
                     cli.model, cli.datamodule, split, n, cli.trainer.precision)
             extra.update(predict_extras(cli.model))
+            for array, values in getattr(cli.model, "predict_arrays", dict)().items():
+                builder.array(array, values.dtype, values.shape)[...] = values  # e.g. gates
         return builder.finish(extra=extra)
 
 
@@ -86,7 +89,10 @@ def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32
 
 
 def predict_extras(model) -> dict:
-    """Per-model extras saved beside the scores (SPALM: gate values over the test split)."""
+    """Per-model extras saved beside the scores (SPALM: gate values over the test split; a
+    model with ``report_extras()`` says its own)."""
+    if callable(getattr(model, "report_extras", None)):
+        return model.report_extras()
     histogram = getattr(model, "gate_histogram", None)
     if histogram is None:
         return {}
@@ -137,3 +143,48 @@ def load_language_model(ckpt: str | Path, hparams: Optional[dict] = None):
     model = LanguageModel(**{**saved, **(hparams or {})})
     model.load_state_dict(checkpoint["state_dict"])
     return model.eval()
+
+
+class _Parsed(Exception):
+    """Raised by ``check_fit_config`` once LightningCLI has parsed, before it builds anything."""
+
+
+def check_fit_config(configs: list[str]) -> None:
+    """Parse ``gnnlm fit -c configs[0] -c configs[1] …`` without building anything: an unknown
+    key, a typo'd class path or a value of the wrong type stops the pipeline before its slow
+    stages, with one message naming the files."""
+    import contextlib
+    import io
+
+    from gnnlm.cli import GnnlmCLI, quiet_lightning
+
+    class ParseOnly(GnnlmCLI):
+        def before_instantiate_classes(self) -> None:
+            raise _Parsed()
+
+    quiet_lightning()
+    printed = io.StringIO()
+    seed_log = logging.getLogger("lightning_fabric.utilities.seed")
+    level, seed_log.level = seed_log.level, logging.WARNING  # no "Seed set" line per check
+    try:
+        with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(io.StringIO()):
+            ParseOnly(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
+                      args=["fit", *(a for c in configs for a in ("-c", c))])
+    except _Parsed:
+        return
+    except SystemExit:
+        text = printed.getvalue()
+        error = text[text.find("error:") + len("error:"):] if "error:" in text else text
+        details = [line.strip() for line in error.splitlines()
+                   if line.strip() and not line.strip().startswith(("Subtypes:", "- Expected a",
+                                                                     "Given value"))]
+        raise ValueError(f"The `gnnlm fit` config {' + '.join(configs)} does not parse: "
+                         f"{' '.join(details)[:600]}") from None
+    finally:
+        seed_log.setLevel(level)
+
+
+def _cli_bases():
+    import pytorch_lightning as pl
+
+    return pl.LightningModule, pl.LightningDataModule

@@ -8,8 +8,11 @@ squared L2 distance. Missing results (fewer keys than asked for) are id -1 with 
 read once, converted one chunk at a time); it is the dependable exact path on CUDA machines
 without faiss-gpu. On 2 CPU cores it ran at 0.65x the speed of faiss ``IndexFlatIP`` over
 float32 keys in RAM, with the same ids, while reading half the bytes (the fp16 memmap).
-``Searcher`` puts a FAISS index (``gnnlm.index``) and exact search behind one call, and
-``rescore`` recomputes the similarities of given neighbours exactly from the stored keys.
+``Searcher`` puts a FAISS index (``gnnlm.index``) and exact search behind one call. With
+``rerank = f`` it searches f·k candidates in the index and keeps the k best by their exact
+similarity, recomputed from the stored float16 keys: the IVF-PQ index only has to bring the
+true neighbours into the candidate list, and the scores returned are exact. ``rescore``
+recomputes the similarities of given neighbours exactly, in their order.
 """
 from __future__ import annotations
 
@@ -147,33 +150,54 @@ class Searcher:
         self.index, self.keys, self.device, self.chunk = index, keys, device, chunk
         self.manifest = manifest or {}
         self.nprobe: int | None = None
+        self.rerank = 0.0
         self._cpu_index: Any = None
         self.backend = "faiss" if index is not None else "exact"
 
     @classmethod
-    def open(cls, index_dir: str | Path, nprobe: int | None = None,
-             device: str = "auto") -> Searcher:
-        """A searcher over a built index folder (``nprobe`` defaults to the manifest's)."""
+    def open(cls, index_dir: str | Path, nprobe: int | None = None, rerank: float | None = None,
+             device: str = "auto", keys: Any = None) -> Searcher:
+        """A searcher over a built index folder (``nprobe`` and ``rerank`` default to the
+        manifest's). Re-ranking reads ``keys``, the train features the index was built over
+        (``Searcher.for_workdir`` finds them)."""
         manifest = read_manifest(index_dir, kind="index")
         index = faiss.read_index(str(Path(index_dir) / manifest["index_file"]))
         nprobe = int(manifest["nprobe"] if nprobe is None else nprobe)
         if nprobe < 1:
             raise ValueError(f"nprobe must be >= 1 (got {nprobe}).")
+        rerank = float(manifest.get("rerank", 0.0) if rerank is None else rerank)
+        if rerank and keys is None:
+            raise ValueError(f"The index at {index_dir} re-ranks with the stored keys "
+                             f"(rerank={rerank}): open it with Searcher.for_workdir, or pass "
+                             f"keys, or rerank=0.")
+        if rerank and (rerank < 1 or tuple(keys.shape) != (index.ntotal, index.d)):
+            raise ValueError(f"rerank must be 0 or >= 1 with keys [{index.ntotal}, {index.d}] "
+                             f"(got rerank={rerank}, keys {tuple(keys.shape)}).")
         set_nprobe(index, nprobe)
         searcher = cls(metric=manifest["metric"], key=manifest["key"], ntotal=index.ntotal,
-                       d=index.d, index=index, device="cpu", manifest=manifest)
-        searcher.nprobe = nprobe
+                       d=index.d, index=index, keys=keys, device="cpu", manifest=manifest)
+        searcher.nprobe, searcher.rerank = nprobe, rerank
         if faiss_device(device) == "cuda":
+            gpu = int(str(device).split(":")[1]) if ":" in str(device) else 0
             try:
                 searcher._cpu_index = index
-                searcher.index = to_gpu(index)
+                searcher.index = to_gpu(index, gpu)
                 set_nprobe(searcher.index, min(nprobe, GPU_MAX_K))
-                searcher.device = "cuda"
+                searcher.device = f"cuda:{gpu}"
             except RuntimeError as err:  # e.g. a PQ code size the GPU kernels lack
                 warnings.warn(f"faiss-gpu could not take {manifest['factory']} ({err}); "
                               f"searching on CPU.", stacklevel=2)
                 searcher.index, searcher._cpu_index = index, None
         return searcher
+
+    @classmethod
+    def for_workdir(cls, workdir: Workdir, key: str, metric: str, device: str = "auto",
+                    **settings: Any) -> Searcher:
+        """The index of ``key`` under ``metric`` with its train keys (for re-ranking)."""
+        manifest, arrays = open_features(workdir.features("train"))
+        check_key(manifest, key)
+        return cls.open(workdir.index(key, metric), device=device, keys=arrays[key],
+                        **settings)
 
     @classmethod
     def exact(cls, workdir: Workdir, key: str = "final", metric: str = "cos",
@@ -216,24 +240,27 @@ class Searcher:
             q = normalize_rows(np.array(queries, dtype=np.float32, copy=True, order="C"))
         else:
             q = _as_float32(queries)
+        width = min(self.ntotal, math.ceil(self.rerank * k)) if self.rerank else k
         index = self.index
-        if self._cpu_index is not None and k > GPU_MAX_K:
+        if self._cpu_index is not None and width > GPU_MAX_K:
             index = self._cpu_index
-        dist, ids = index.search(q, k)                                 # [n, k] each
+        dist, ids = index.search(q, width)                             # [n, width] each
+        ids = ids.astype(np.int64, copy=False)
+        if self.rerank:
+            return rerank(queries, ids, self.keys, self.metric, k)
         sims = -dist if self.metric == "l2" else dist
         sims[ids < 0] = -np.inf  # faiss pads with ±FLT_MAX
-        return sims.astype(np.float32, copy=False), ids.astype(np.int64, copy=False)
+        return sims.astype(np.float32, copy=False), ids
 
 
-_GPU_RESOURCES = None
+_GPU_RESOURCES: dict[int, Any] = {}
 
 
-def to_gpu(index: faiss.Index) -> faiss.Index:
-    """A GPU copy of a CPU faiss index (one shared resources object per process)."""
-    global _GPU_RESOURCES
-    if _GPU_RESOURCES is None:
-        _GPU_RESOURCES = faiss.StandardGpuResources()
-    return faiss.index_cpu_to_gpu(_GPU_RESOURCES, 0, index)
+def to_gpu(index: faiss.Index, gpu: int = 0) -> faiss.Index:
+    """A copy of a CPU faiss index on GPU ``gpu`` (one resources object per GPU and process)."""
+    if gpu not in _GPU_RESOURCES:
+        _GPU_RESOURCES[gpu] = faiss.StandardGpuResources()
+    return faiss.index_cpu_to_gpu(_GPU_RESOURCES[gpu], gpu, index)
 
 
 def set_nprobe(index: faiss.Index, nprobe: int) -> None:
@@ -256,6 +283,39 @@ def similarity(queries: Any, keys: Any, metric: str) -> torch.Tensor:
     if metric == "l2":
         return -((q - k) ** 2).sum(-1)
     return (q * k).sum(-1)
+
+
+def rerank(queries: Any, ids: np.ndarray, keys: Any, metric: str, k: int,
+           max_elems: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of candidate ``ids`` [n, R] (-1: none) by exact similarity to ``queries``
+    [n, d], from the stored ``keys``: ``(sims float32 [n, k], ids int64 [n, k])``, best first."""
+    check_metric(metric)
+    n, R = ids.shape
+    d = int(keys.shape[1])
+    source = np.asarray(keys)  # a memmap's pages, no copy
+    out_s = np.full((n, k), -np.inf, dtype=np.float32)
+    out_i = np.full((n, k), -1, dtype=np.int64)
+    step = max(1, max_elems // max(1, R * d))
+    for r0 in range(0, n, step):
+        cand = ids[r0:r0 + step]                                       # [b, R]
+        b = cand.shape[0]
+        rows = torch.from_numpy(np.take(source, np.maximum(cand, 0).ravel(), axis=0))
+        keys_b = rows.view(b, R, d).float()                            # [b, R, d]
+        q = _float_tensor(queries[r0:r0 + step])                       # [b, d]
+        if metric == "cos":
+            q = F.normalize(q, dim=1, eps=1e-12)
+        sims = torch.bmm(keys_b, q[:, :, None]).squeeze(-1)           # [b, R]
+        if metric == "cos":
+            sims /= keys_b.norm(dim=-1).clamp_min(1e-12)
+        elif metric == "l2":
+            sims = (2 * sims - (q * q).sum(-1, keepdim=True)
+                    - (keys_b * keys_b).sum(-1)).clamp_(max=0.0)
+        sims = sims.masked_fill(torch.from_numpy(cand < 0), -math.inf)
+        top_s, top = sims.topk(min(k, R), dim=1)
+        out_s[r0:r0 + step, :top.shape[1]] = top_s.numpy()
+        out_i[r0:r0 + step, :top.shape[1]] = np.take_along_axis(cand, top.numpy(), axis=1)
+    out_i[np.isneginf(out_s)] = -1
+    return out_s, out_i
 
 
 def rescore(queries: Any, ids: np.ndarray, keys: Any, metric: str,

@@ -172,16 +172,15 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path, ks: Sequen
 
 
 def main(args: list[str]) -> dict:
-    """``gnnlm sweep -c PIPELINE.yaml [--knn.k=... --knn.temperature=... --knn.lambda_=...]``.
-
-    Sweeps the pipeline's kNN caches of its primary key (built by ``gnnlm pipeline``) over the
-    config's grid into ``reports/<name>/sweep``, or scores the single point a W&B sweep agent
-    pins into ``reports/<name>/sweep/<point>`` (agents never overwrite each other's files).
-    """
+    """``gnnlm sweep -c PIPELINE.yaml [--knn.k=... --knn.temperature=... --knn.lambda_=...]``:
+    sweeps the kNN caches of the pipeline's primary key (built by ``gnnlm pipeline``) over the
+    config's grid and writes reports/<name>/sweep/ (sweep.csv, sweep.md, sweep.json, the λ × T
+    heatmap) and an offline W&B run; the single point a W&B agent pins goes to
+    reports/<name>/sweep/<point>/, so agents never overwrite each other's files."""
     from gnnlm.config import load_config
     from gnnlm.workdir import Workdir
 
-    cfg = load_config(args)
+    cfg = load_config(args, prog="gnnlm sweep", description=main.__doc__)
     knn = cfg.knn
     ks, temperatures, lambdas = knn.grid()
     workdir = Workdir(cfg.workdir)

@@ -186,12 +186,18 @@ class HFTokenizer(Tokenizer):
         # a hub name, or a folder with vocab/merges files
         from transformers import AutoTokenizer
 
+        if p.is_dir() and not any((p / f).is_file() for f in (
+                "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")):
+            raise FileNotFoundError(f"No tokenizer at {path!r}: the folder has no tokenizer.json "
+                                    f"(nor vocab.json + merges.txt, tokenizer.model): save the "
+                                    f"model's tokenizer there (tokenizer.save_pretrained).")
         try:
             fast = AutoTokenizer.from_pretrained(path, use_fast=True)
-        except OSError as err:
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise FileNotFoundError(f"No tokenizer at {path!r}: not a tokenizer.json file, not a "
                                     f"folder with one, and not loadable by transformers "
-                                    f"({err}).") from err
+                                    f"({first[:200]}).") from err
         return cls(fast.backend_tokenizer)
 
     def encode(self, text: str) -> np.ndarray:
@@ -237,7 +243,13 @@ def _read_split(files: dict[str, Path], split: str) -> str:
         folder = files["train"].parent
         raise FileNotFoundError(f"The corpus in {folder} has no {split} split: expected one of "
                                 f"{', '.join(SPLIT_FILES[split])}.")
-    text = files[split].read_text(encoding="utf-8")
+    raw = files[split].read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{files[split]} is not UTF-8 text: byte 0x{raw[err.start]:02x} at "
+                         f"offset {err.start} cannot be decoded. Convert the file to UTF-8 "
+                         f"(e.g. iconv -f latin1 -t utf-8).") from None
     if not text.strip():
         raise ValueError(f"Split file {files[split]} is empty: a corpus needs text in train, "
                          f"valid and test.")
@@ -301,6 +313,9 @@ def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: s
         counts = {}
         for split in SPLITS:
             ids = tok.encode(texts[split])
+            if len(ids) == 0:
+                raise ValueError(f"{files[split]} gives no tokens with tokenizer "
+                                 f"{tokenizer.kind!r}: check the file and the tokenizer.")
             builder.array(split, dtype, ids.shape)[...] = ids
             counts[split] = int(ids.shape[0])
         tok.save(builder.partial)

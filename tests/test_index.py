@@ -52,28 +52,52 @@ def train_features(root, x, **kw) -> Workdir:
     return wd
 
 
-def test_auto_ivfpq_recall_on_clustered_set(clustered_features):
+@pytest.mark.parametrize("budget,factory", [(8.0, "IVF512,SQ8"), (0.0, "IVF512,PQ16x8np")])
+def test_auto_index_reaches_the_target_recall_on_clustered_set(clustered_features, budget,
+                                                               factory):
     wd, x = clustered_features
-    # exact_below below N makes "auto" choose IVF+PQ: nlist = 4·sqrt(20000) -> 512, m = 64/4.
-    cfg = IndexConfig(exact_below=1000, nprobe=32, recall_queries=500)
-    manifest = build_index(wd, "final", "cos", cfg)
-    assert manifest["factory"] == "IVF512,PQ16x8np"
+    # exact_below below N makes "auto" choose IVF: nlist = 4·sqrt(20000) -> 512; SQ8 within
+    # the code budget, else PQ with m = 64/4
+    cfg = IndexConfig(exact_below=1000, code_budget_gb=budget, recall_queries=300,
+                      target_recall=0.9)
+    manifest = build_index(wd, "final", "cos", cfg, rebuild=True)
+    assert manifest["factory"] == factory
     assert manifest["n"] == 20000 and manifest["d"] == 64 and manifest["key"] == "final"
     assert manifest["metric"] == "cos" and manifest["config"]["key"] == "final"
     assert set(manifest["recall"]) == {"10", "100"}
-    assert manifest["recall"]["10"] >= 0.8, manifest["recall"]
+    assert manifest["recall"]["10"] >= 0.9, manifest["tuning"]
     assert manifest["base_lm"]["fingerprint"] == "weights-a"
+    # every setting was measured, and the chosen one is the fastest that reached the target
+    table = manifest["tuning"]
+    assert {(r["nprobe"], r["rerank"]) for r in table} == {
+        (p, r) for p in (4, 8, 16, 32, 64) for r in (0.0, 1.0, 2.0, 4.0)}
+    reached = [r for r in table if r["recall@10"] >= 0.9]
+    assert manifest["search"] == max(reached, key=lambda r: r["queries_per_s"])
     # Held-out queries from the same distribution, through the public Searcher.
     queries = clustered(n=400, seed=0)[:400] + 0.02
-    searcher = Searcher.open(wd.index("final", "cos"))
+    searcher = Searcher.for_workdir(wd, "final", "cos")
     assert (searcher.metric, searcher.key, searcher.ntotal, searcher.d) == ("cos", "final",
                                                                            20000, 64)
+    assert (searcher.nprobe, searcher.rerank) == (manifest["nprobe"], manifest["rerank"])
     _, approx = searcher.search(queries, 10)
     _, exact = exact_search(x.astype(np.float16), queries, 10, "cos")
-    assert recall_at(approx, exact, 10) >= 0.8
+    assert recall_at(approx, exact, 10) >= 0.85
     # nprobe is honoured: a single probed list loses neighbours.
-    _, one_probe = Searcher.open(wd.index("final", "cos"), nprobe=1).search(queries, 10)
-    assert recall_at(one_probe, exact, 10) < recall_at(approx, exact, 10)
+    one = Searcher.for_workdir(wd, "final", "cos", nprobe=1, rerank=0)
+    assert recall_at(one.search(queries, 10)[1], exact, 10) < recall_at(approx, exact, 10)
+
+
+def test_reranking_returns_exact_scores_in_exact_order(clustered_features):
+    wd, x = clustered_features
+    build_index(wd, "final", "l2", IndexConfig(factory="IVF64,PQ8x8np", recall_queries=50))
+    queries = clustered(n=50, seed=3) + 0.01
+    sims, ids = Searcher.for_workdir(wd, "final", "l2", nprobe=64, rerank=4).search(queries, 5)
+    keys = x.astype(np.float16).astype(np.float64)
+    ref = -((queries[:, None, :] - keys[ids]) ** 2).sum(-1)
+    np.testing.assert_allclose(sims, ref, rtol=1e-4, atol=1e-3)
+    assert np.all(np.diff(sims, axis=1) <= 1e-5)                        # best first
+    with pytest.raises(ValueError, match="re-ranks with the stored keys"):
+        Searcher.open(wd.index("final", "l2"), rerank=2)
 
 
 def test_auto_is_flat_below_threshold_and_exact(tmp_path):
@@ -81,6 +105,7 @@ def test_auto_is_flat_below_threshold_and_exact(tmp_path):
     manifest = build_index(wd, "final", "ip", IndexConfig(recall_queries=200))
     assert manifest["factory"] == "Flat" and manifest["factory_requested"] == "auto"
     assert manifest["recall"]["10"] >= 0.99 and manifest["recall"]["100"] >= 0.99
+    assert (manifest["nprobe"], manifest["rerank"]) == (1, 0.0)
     assert (wd.index("final", "ip") / manifest["index_file"]).is_file()
 
 
@@ -103,12 +128,14 @@ def test_auto_factory_rule():
     balanced = rng.standard_normal((20000, 128)).astype(np.float32)
     cfg = IndexConfig(exact_below=300_000)
     assert auto_factory(100_000, 128, balanced, cfg) == "Flat"
-    assert auto_factory(2_000_000, 128, balanced, cfg) == "IVF512,PQ32x8np"  # capped by sample
+    assert auto_factory(2_000_000, 128, balanced, cfg) == "IVF512,SQ8"  # capped by sample
     big_sample = np.repeat(balanced, 9, axis=0)  # 180k points: 4096 lists x 39
-    assert auto_factory(2_000_000, 128, big_sample, cfg) == "IVF4096,PQ32x8np"
+    assert auto_factory(2_000_000, 128, big_sample, cfg) == "IVF4096,SQ8"
+    # beyond the code budget (103M keys of d = 512 at a byte per dimension): PQ
+    assert auto_factory(103_000_000, 128, big_sample, cfg) == "IVF4096,PQ32x8np"
     skewed = balanced.copy()
     skewed[:, :4] *= 10  # a few outlier dimensions, as in transformer features
-    assert auto_factory(2_000_000, 128, skewed, cfg).startswith("OPQ32,IVF")
+    assert auto_factory(103_000_000, 128, skewed, cfg).startswith("OPQ32,IVF")
     assert pq_subquantizers(768) == 192 and pq_subquantizers(100) == 25
     assert pq_subquantizers(30) in (6, 10) and 30 % pq_subquantizers(30) == 0
 
@@ -116,7 +143,7 @@ def test_auto_factory_rule():
 def test_killed_build_resumes_to_identical_bytes(tmp_path):
     x = clustered(n=6000, d=32, centres=40, seed=4)
     a, b = train_features(tmp_path / "a", x), train_features(tmp_path / "b", x)
-    cfg = IndexConfig(factory="IVF64,PQ8x4np", add_chunk=1000, nprobe=8, recall_queries=100)
+    cfg = IndexConfig(factory="IVF64,PQ8x4np", add_chunk=1000, recall_queries=100)
     whole = build_index(a, "final", "l2", cfg)
     assert build_index(b, "final", "l2", cfg, stop_after_chunks=0) == {}
     partial = b.index("final", "l2").with_name("final-l2.partial")
@@ -128,7 +155,7 @@ def test_killed_build_resumes_to_identical_bytes(tmp_path):
     assert not partial.exists()
     assert (a.index("final", "l2") / "index.faiss").read_bytes() == \
         (b.index("final", "l2") / "index.faiss").read_bytes()
-    assert resumed["recall"] == whole["recall"] and resumed["factory"] == "IVF64,PQ8x4np"
+    assert resumed["factory"] == "IVF64,PQ8x4np"
     assert resumed["fingerprint"] == whole["fingerprint"]
 
 
@@ -140,8 +167,8 @@ def test_bad_settings_are_refused(tmp_path):
         build_index(wd, "final", "dot")
     with pytest.raises(ValueError, match=r"key must be one of .*\(got 'mid'\)"):
         build_index(wd, "mid", "cos")
-    with pytest.raises(ValueError, match=r"index.nprobe must be >= 1 \(got 0\)"):
-        IndexConfig(nprobe=0)
+    with pytest.raises(ValueError, match=r"index.target_recall must lie in \(0, 1\] \(got 0\)"):
+        IndexConfig(target_recall=0)
     with pytest.raises(ValueError, match="device must be one of"):
         IndexConfig(device="tpu")
     with pytest.raises(ArtifactError, match="No complete features"):
@@ -156,11 +183,12 @@ def test_complete_index_is_skipped_and_other_features_refused(tmp_path):
     first = build_index(wd, "final", "cos", cfg)
     again = build_index(wd, "final", "cos", cfg)
     assert again["created"] == first["created"] and again["fingerprint"] == first["fingerprint"]
-    # the number of recall queries only changes a statistic: not another index
-    assert build_index(wd, "final", "cos", IndexConfig(recall_queries=5))["created"] == \
+    # the number of recall queries or the recall target only change the measurement
+    assert build_index(wd, "final", "cos", IndexConfig(recall_queries=5,
+                                                       target_recall=0.5))["created"] == \
         first["created"]
-    with pytest.raises(ArtifactError, match=r"config\.nprobe: 32 → 8"):
-        build_index(wd, "final", "cos", IndexConfig(nprobe=8))
+    with pytest.raises(ArtifactError, match=r"config\.train_sample: 131072 → 1000"):
+        build_index(wd, "final", "cos", IndexConfig(train_sample=1000))
 
     def replace_train(features, **kw):
         shutil.rmtree(wd.features("train"))

@@ -45,8 +45,10 @@ def _build_caches(tmp_path_factory):
     write_features(wd.features("valid"), valid, valid_targets,
                    lm_logprob=np.log(rng.uniform(0.01, 0.5, 300)), split="valid")
     build_index(wd, "final", "l2",
-                IndexConfig(factory="IVF8,PQ4x4np", nprobe=1, recall_queries=50))
-    build_neighbors(wd, "valid", "final", "l2", NeighborsConfig(K=300), leakage_window=None)
+                IndexConfig(factory="IVF8,PQ4x4np", recall_queries=50))
+    # one probed list and the index's own (approximate) scores
+    build_neighbors(wd, "valid", "final", "l2", NeighborsConfig(K=300, nprobe=1, rerank=0),
+                    leakage_window=None)
     for scores in ("faiss", "exact"):
         build_knn_cache(wd, "valid", "final", "l2", scores=scores, chunk=64)
     return wd, train, valid, train_targets, valid_targets

@@ -42,8 +42,7 @@ def store(tmp_path_factory):
     valid = random_walk(700, seed=1, start=train[1234])
     write_features(wd.features("valid"), valid, split="valid", seed=1)
     build_index(wd, "final", "cos", IndexConfig(factory="Flat", recall_queries=50))
-    build_index(wd, "final", "l2", IndexConfig(factory="IVF16,Flat", nprobe=4,
-                                               recall_queries=50))
+    build_index(wd, "final", "l2", IndexConfig(factory="IVF16,Flat", recall_queries=50))
     return wd, train, valid
 
 
@@ -136,7 +135,7 @@ def test_valid_neighbours_are_not_masked(store, tmp_path):
 @pytest.mark.parametrize("split", ["train", "valid"])
 def test_killed_build_resumes_to_identical_bytes(store, tmp_path, split):
     a, b = fresh(store[0], tmp_path / "a"), fresh(store[0], tmp_path / "b")
-    cfg = NeighborsConfig(K=10, chunk=128, batch_size=50)
+    cfg = NeighborsConfig(K=10, chunk=128, batch_size=50, nprobe=4)
     whole = build_neighbors(a, split, "final", "l2", cfg, leakage_window=5)
     assert build_neighbors(b, split, "final", "l2", cfg, leakage_window=5,
                            stop_after_chunks=2) == {}

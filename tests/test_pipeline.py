@@ -4,6 +4,7 @@ kNN-LM, SPALM and the learned W_ds help, no train neighbour leaks — and the ba
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -191,6 +192,26 @@ def test_rerun_skips_every_stage_and_sweep_and_explain_work(run_dir, workdir, re
     assert explained.count("Extracted") == 2 and "[" in explained
 
 
+def test_a_moved_work_directory_is_reused_and_rebuild_rebuilds_what_it_names(run_dir, workdir):
+    """Manifests identify inputs by content and keep paths relative: a work directory moved and
+    named by another (relative) path is complete as it is; ``--rebuild=[...]`` rebuilds exactly
+    the stages it names."""
+    moved = run_dir / "elsewhere" / "moved"
+    shutil.copytree(workdir, moved, symlinks=True)
+    manifests = lambda: {p.relative_to(moved): p.stat().st_mtime  # noqa: E731
+                         for p in moved.glob("*/**/manifest.json")}
+    before = manifests()
+    out = run_gnnlm(["pipeline", *PIPELINE, "--workdir=elsewhere/moved"], run_dir)
+    assert manifests() == before and "built in" not in out.stderr
+    assert "+GNN+kNN" in out.stdout
+    run_gnnlm(["pipeline", *PIPELINE, "--workdir=elsewhere/moved", "--rebuild=[knn_cache]"],
+              run_dir)
+    after = manifests()
+    changed = {p for p in before if after[p] != before[p]}
+    assert changed and all(p.parts[0] == "knn_cache" for p in changed), changed
+    shutil.rmtree(moved)
+
+
 def test_ddp_fit_on_two_cpu_processes(run_dir, workdir):
     """GNN-LM training runs unchanged under DDP (gloo, 2 processes)."""
     chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",
@@ -204,6 +225,29 @@ def test_ddp_fit_on_two_cpu_processes(run_dir, workdir):
     assert "val/ppl" in metrics
     log = out.stdout + out.stderr
     assert "distributed_backend=gloo" in log and "MEMBER: 2/2" in log
+
+
+def _validation_ppl(run_dir, workdir, devices: int) -> float:
+    chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/base_lm.yaml",
+             "configs/wikitext2/base_lm_cpu.yaml", "configs/tests/tiny_lm.yaml"]
+    root = run_dir / f"validate{devices}"
+    run_gnnlm(["validate", *(a for c in chain for a in ("-c", c)),
+               f"--ckpt_path={workdir / 'heads' / 'base_lm' / 'model.ckpt'}",
+               f"--trainer.devices={devices}", "--trainer.strategy=ddp" if devices > 1 else
+               "--trainer.strategy=auto", "--trainer.limit_val_batches=null",
+               "--data.init_args.eval_tokens=20010",  # 625 windows: uneven over 2 ranks
+               f"--trainer.default_root_dir={root}", f"--data.init_args.workdir={workdir}"],
+              run_dir, timeout=600)
+    metrics = next(root.glob("lightning_logs/version_*/metrics.csv")).read_text().splitlines()
+    header = metrics[0].split(",")
+    return float(metrics[-1].split(",")[header.index("val/ppl")])
+
+
+def test_ddp_validation_counts_every_token_once(run_dir, workdir):
+    """Lightning's default sampler would pad the last round with repeated windows under DDP;
+    the data modules' evaluation sampler does not, so 2 processes give the 1-process value."""
+    one, two = _validation_ppl(run_dir, workdir, 1), _validation_ppl(run_dir, workdir, 2)
+    assert two == pytest.approx(one, rel=1e-6)
 
 
 def test_ablation_table(results, workdir):

@@ -111,9 +111,8 @@ def test_searcher_marks_missing_results(tmp_path):
     rng = np.random.default_rng(4)
     wd = Workdir(tmp_path)
     write_features(wd.features("train"), rng.standard_normal((400, 8)).astype(np.float32))
-    build_index(wd, "final", "l2", IndexConfig(factory="IVF16,Flat", nprobe=1,
-                                               recall_queries=10))
-    sims, ids = Searcher.open(wd.index("final", "l2"), device="cpu").search(
+    build_index(wd, "final", "l2", IndexConfig(factory="IVF16,Flat", recall_queries=10))
+    sims, ids = Searcher.open(wd.index("final", "l2"), nprobe=1, rerank=0, device="cpu").search(
         rng.standard_normal((5, 8)).astype(np.float32), 200)
     missing = ids < 0
     assert missing.any() and np.all(np.isneginf(sims[missing]))

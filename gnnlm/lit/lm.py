@@ -56,3 +56,7 @@ class LanguageModel(TokenLevelModule):
 
     def on_test_epoch_start(self) -> None:
         self._memory["test"] = None
+
+    def on_predict_epoch_start(self) -> None:
+        super().on_predict_epoch_start()
+        self._memory["predict"] = None

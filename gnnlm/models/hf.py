@@ -55,6 +55,9 @@ class HFCausalLM(BaseLM):
         from transformers import AutoModelForCausalLM
 
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(name_or_path)
+        if os.path.isdir(name_or_path) and any(
+                f.endswith(".safetensors") for f in os.listdir(name_or_path)):
+            kwargs.setdefault("use_safetensors", True)  # never unpickle when tensors exist
         try:
             model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=offline,
                                                          **kwargs)

@@ -1,0 +1,153 @@
+"""LightningDataModule of contiguous Transformer-XL segments over a datastore's splits, each
+position carrying its split position and the values (next tokens) of its first ``retrieved``
+neighbours, for SPALM trained end to end (``gnnlm.lit.spalm.SpalmXL``) and its baselines.
+
+Everything comes from ``gnnlm pipeline``'s work directory, so the tokens, the neighbours and the
+base LM are those of the datastore: the token stream of split s is ``[bos] + targets`` of
+``features/<s>``, and the neighbours are ``neighbors/<key>-<metric>/<s>`` (train queries masked
+for leakage when they were built). Train uses the prefix of train positions that have
+neighbours (or ``train_tokens`` of it); valid/test use every position.
+
+Each split is cut into S contiguous streams (S = batch size x world size) served segment by
+segment (``datamodules.lm.StreamSegments``): batch j holds segment j of the same streams as
+batch j - 1, so a model's memory flows from one batch to the next, and every position of a
+split is scored exactly once (padding is masked). This is how Transformer-XL is evaluated; a
+model without memory reads each segment alone.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from datamodules.features import NeighborValues
+from datamodules.lm import StreamSegments
+from datamodules.sampling import eval_sampler
+from gnnlm.artifacts import ArtifactError, read_manifest
+from gnnlm.datastore import open_features
+from gnnlm.encode import stream_tensor
+from gnnlm.workdir import SPLITS, Workdir
+
+
+class SegmentsWithValues(StreamSegments):
+    """``StreamSegments`` items plus ``positions [T]`` (split positions, -1 on padding) and,
+    with ``values``, ``nbr_values [T, k]`` (-1 = none or padding)."""
+
+    def __init__(self, stream: torch.Tensor, n_streams: int, segment: int,
+                 values: Optional[NeighborValues] = None):
+        super().__init__(stream, n_streams, segment)
+        self.values = values
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        seg, s = divmod(i, self.n_streams)
+        begin = s * self.length + seg * self.segment
+        scored = item["mask"].bool()
+        positions = torch.full((self.segment,), -1, dtype=torch.int64)
+        positions[scored] = begin + torch.arange(self.segment)[scored]
+        item["positions"] = positions
+        if self.values is not None:
+            values = torch.full((self.segment, self.values.k), -1, dtype=torch.int64)
+            if scored.any():
+                values[scored] = self.values(positions[scored].numpy())
+            item["nbr_values"] = values
+        return item
+
+
+class SpalmDataModule(pl.LightningDataModule):
+    def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
+                 retrieved: int = 16, block_size: int = 512, batch_size: int = 16,
+                 eval_batch_size: int = 16, train_tokens: Optional[int] = None,
+                 num_workers: int = 0, base_lm_path: Optional[str] = None,
+                 predict_split: str = "test"):
+        """``retrieved``: how many retrieved next tokens each position carries, from the
+        neighbours of the ``key`` features under ``metric`` (0: none; at most the stored K; at
+        least the model's k and the largest k of its k curve). ``block_size``: the segment
+        length T; ``batch_size``/``eval_batch_size``: the parallel streams per device.
+        ``train_tokens`` keeps a train prefix (at most what the train neighbours cover);
+        ``base_lm_path`` overrides where the base LM the features record is loaded from."""
+        super().__init__()
+        if retrieved < 0:
+            raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
+        self.save_hyperparameters()
+        self.workdir = Workdir(workdir)
+        try:
+            self.manifests = {s: self.workdir.features_manifest(s) for s in SPLITS}
+            tokens = read_manifest(self.workdir.tokens, kind="tokens")
+            neighbors = read_manifest(self.workdir.neighbors(key, metric, "train"),
+                                      kind="neighbors")
+            self.train_covered, self.stored_k = int(neighbors["n"]), int(neighbors["K"])
+        except ArtifactError as err:
+            raise ArtifactError(f"{err} This data module reads the artifacts of `gnnlm pipeline` "
+                                f"(tokens, features, train neighbours); run its retrieval "
+                                f"stages first.") from err
+        train = self.manifests["train"]
+        self.vocab_size, self.bos_id = train["vocab_size"], tokens["bos_id"]
+        # linked into the model, which checks the weights against the datastore's fingerprint
+        self.base_lm = base_lm_path or self._recorded_base_lm(train["base_lm"])
+        self.base_lm_fingerprint = train["base_lm"]["fingerprint"]
+
+    def _recorded_base_lm(self, identity: dict) -> str:
+        location = identity.get("location")
+        if not location:
+            raise ArtifactError(f"The features in {self.workdir.features('train')} do not record "
+                                f"where their base LM is: pass base_lm_path.")
+        return location if location.startswith("hf:") else str(self.workdir.resolve(location))
+
+    def n_positions(self, split: str) -> int:
+        """Positions served for ``split``: the covered train prefix, or every valid/test one."""
+        if split == "train":
+            asked = self.hparams.train_tokens
+            if asked is not None and not 0 < asked <= self.train_covered:
+                raise ValueError(f"train_tokens={asked} but the train neighbours cover only the "
+                                 f"first {self.train_covered} positions: lower train_tokens or "
+                                 f"build neighbours for more train queries.")
+            return asked or self.train_covered
+        return int(self.manifests[split]["n"])
+
+    @property
+    def protocol(self) -> str:
+        return (f"Transformer-XL segments: each split cut into {self.hparams.eval_batch_size} "
+                f"contiguous streams per device, read in segments of {self.hparams.block_size} "
+                f"with memory carried from one segment to the next; every token scored once")
+
+    def _values(self, split: str) -> Optional[NeighborValues]:
+        hp = self.hparams
+        if not hp.retrieved:
+            return None
+        values = NeighborValues(self.workdir, hp.key, hp.metric, split, hp.retrieved)
+        if split != "train" and values.n != self.n_positions(split):
+            raise ArtifactError(f"{values.dir} covers {values.n} positions but the {split} "
+                                f"features hold {self.n_positions(split)}: rebuild the "
+                                f"neighbours.")
+        return values
+
+    def segments(self, split: str, n_streams: int) -> SegmentsWithValues:
+        n = self.n_positions(split)
+        targets = open_features(self.workdir.features(split))[1]["targets"]
+        stream = stream_tensor(np.asarray(targets[:n]), self.bos_id)
+        return SegmentsWithValues(stream, n_streams, self.hparams.block_size, self._values(split))
+
+    def _loader(self, split: str, batch_size: int) -> DataLoader:
+        """Rank r of W reads items r, r + W, … (streams r, r + W, … of every segment), in
+        order: S = batch_size x W streams divide evenly, so no rank reads an item twice."""
+        world = self.trainer.world_size if self.trainer is not None else 1
+        data = self.segments(split, batch_size * world)
+        return DataLoader(data, batch_size=batch_size, shuffle=False,
+                          num_workers=self.hparams.num_workers,
+                          sampler=None if split == "train" else eval_sampler(self, data))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", self.hparams.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("valid", self.hparams.eval_batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", self.hparams.eval_batch_size)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.hparams.predict_split, self.hparams.eval_batch_size)

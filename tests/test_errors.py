@@ -1,0 +1,214 @@
+"""What a user sees when something is wrong: one line naming what and what to do, exit status 2
+(the traceback only with --debug), and nothing left behind that looks complete."""
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import REPO
+from fakes import save_lm_checkpoint, write_features
+
+from gnnlm.artifacts import ArtifactBuilder, read_manifest
+from gnnlm.cli import main
+from gnnlm.index import IndexConfig, build_index
+from gnnlm.knn_cache import build_knn_cache
+from gnnlm.neighbors import NeighborsConfig, build_neighbors
+from gnnlm.workdir import Workdir
+
+CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
+LM = ["-c", "configs/trainer/cpu.yaml", "-c", "configs/wikitext2/base_lm.yaml",
+      "-c", "configs/wikitext2/base_lm_cpu.yaml"]
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def error_of(args, capsys) -> str:
+    """Run ``gnnlm args``; it must exit with status 2 and print exactly one error line."""
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("gnnlm ")]
+    assert len(errors) == 1 and lines[-1] == "(rerun with --debug for the traceback)", lines
+    return errors[0]
+
+
+def corpus(root, **splits):
+    root.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "valid", "test"):
+        text = splits.get(split, "the cat sat on the mat\n")
+        (root / f"{split}.txt").write_bytes(text if isinstance(text, bytes) else text.encode())
+    return root
+
+
+def fit_lm(root, capsys, *extra):
+    return error_of(["fit", *LM, f"--data.init_args.workdir={root / 'work'}",
+                     f"--trainer.default_root_dir={root / 'logs'}", *extra], capsys)
+
+
+def test_a_missing_corpus(tmp_path, capsys):
+    assert fit_lm(tmp_path, capsys, "--data.init_args.corpus_path=/no/such/corpus") == (
+        "gnnlm fit: error: Corpus path /no/such/corpus does not exist: point corpus_path at the "
+        "folder holding train.txt, valid.txt, test.txt.")
+    assert not (tmp_path / "work" / "tokens").exists()
+
+
+def test_an_empty_split(tmp_path, capsys):
+    path = corpus(tmp_path / "c", valid="\n \n")
+    assert fit_lm(tmp_path, capsys, f"--data.init_args.corpus_path={path}") == (
+        f"gnnlm fit: error: Split file {path}/valid.txt is empty: a corpus needs text in train, "
+        f"valid and test.")
+    assert not (tmp_path / "work" / "tokens").exists()
+
+
+def test_non_utf8_bytes_name_the_file_and_the_offset(tmp_path, capsys):
+    path = corpus(tmp_path / "c", test=b"caf\xe9 au lait\n")
+    assert fit_lm(tmp_path, capsys, f"--data.init_args.corpus_path={path}") == (
+        f"gnnlm fit: error: {path}/test.txt is not UTF-8 text: byte 0xe9 at offset 3 cannot be "
+        f"decoded. Convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8).")
+
+
+def test_a_split_with_no_tokens(tmp_path, capsys):
+    # characters of "a b a\n": a, space, b, newline, and <unk>: the LM's 5 outputs
+    ckpt, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", vocab_size=5, context_length=16)
+    path = corpus(tmp_path / "c", valid="a b\n", test="b a\n", train="a b a\n")
+    wd = Workdir(tmp_path / "w")
+    args = ["pipeline", *CPU, f"--workdir={wd.root}", f"--base_lm.ckpt={ckpt}",
+            f"--corpus.path={path}", "--corpus.name=tiny", "--corpus.tokenizer.kind=char",
+            "--features.max_tokens={valid: 0}"]
+    assert error_of(args, capsys) == (
+        f"gnnlm pipeline: error: Split 'valid' has no tokens to encode (features.max_tokens: 0, "
+        f"tokens in {wd.tokens}): give every split a positive prefix.")
+
+
+def test_a_typo_in_a_setting(capsys):
+    assert error_of(["pipeline", *CPU, "--knn.metrix=cos"], capsys) == (
+        "gnnlm pipeline: error: unrecognized arguments: --knn.metrix=cos")
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--knn.k=1000", "knn.ks/knn.k ask for up to k = 1000 neighbours but neighbors.K = 128 are "
+                     "stored: lower k or raise neighbors.K."),
+    ("--knn.temperature=0", "The temperature T (knn.temperature) must be a finite number > 0 "
+                            "(got [0.0])."),
+    ("--knn.lambda_=1.5", "λ (knn.lambda_) must lie in [0, 1] (got [1.5])."),
+])
+def test_interpolation_settings_are_checked_before_any_work(flag, message, tmp_path, capsys):
+    line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}", flag], capsys)
+    assert line == f"gnnlm pipeline: error: {message}"
+    assert not (tmp_path / "w").exists()                               # nothing was built
+
+
+def test_a_missing_checkpoint(tmp_path, capsys):
+    line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}",
+                     "--base_lm.ckpt=/no/such/model.ckpt"], capsys)
+    assert line == ("gnnlm pipeline: error: No checkpoint at /no/such/model.ckpt: give a .ckpt "
+                    "written by `gnnlm fit` (or hf:<name-or-folder> for a Hugging Face model).")
+
+
+def test_a_checkpoint_of_another_vocabulary_leaves_no_tokens(tmp_path, capsys):
+    ckpt, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", vocab_size=50)
+    path = corpus(tmp_path / "c")
+    line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}", f"--base_lm.ckpt={ckpt}",
+                     f"--corpus.path={path}", "--corpus.name=tiny"], capsys)
+    assert line == ("gnnlm pipeline: error: The base LM gpt has 50 outputs but the tokenizer of "
+                    "the corpus has 7 types: they must match (for a Hugging Face LM use "
+                    "tokenizer kind 'hf' with its path).")
+    assert not Workdir(tmp_path / "w").tokens.exists()                 # the corrected run starts
+
+
+def test_a_hugging_face_folder_without_a_tokenizer(tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    path = corpus(tmp_path / "c")
+    line = error_of(["fit", *LM, f"--data.init_args.workdir={tmp_path / 'work'}",
+                     f"--data.init_args.corpus_path={path}", "--data.init_args.corpus=tiny",
+                     "--data.init_args.tokenizer.kind=hf",
+                     f"--data.init_args.tokenizer.path={tmp_path / 'hf'}"], capsys)
+    assert line.startswith(f"gnnlm fit: error: No tokenizer at '{tmp_path / 'hf'}'")
+
+
+@pytest.fixture
+def caches(tmp_path):
+    """A work directory with valid/test kNN caches (what `gnnlm sweep` reads)."""
+    rng = np.random.default_rng(0)
+    wd = Workdir(tmp_path / "w")
+    write_features(wd.features("train"), rng.standard_normal((400, 8)).astype(np.float32),
+                   targets=rng.integers(0, 9, 400).astype(np.int32))
+    for split in ("valid", "test"):
+        write_features(wd.features(split), rng.standard_normal((60, 8)).astype(np.float32),
+                       targets=rng.integers(0, 9, 60).astype(np.int32),
+                       lm_logprob=-rng.uniform(1, 3, 60), split=split)
+    build_index(wd, "final", "cos", IndexConfig(factory="Flat", recall_queries=10))
+    for split in ("valid", "test"):
+        build_neighbors(wd, split, "final", "cos", NeighborsConfig(K=128))
+        build_knn_cache(wd, split, "final", "cos")
+    return wd
+
+
+def sweep(wd, capsys):
+    return error_of(["sweep", *CPU, f"--workdir={wd.root}", "--knn.keys=[final]"], capsys)
+
+
+def test_a_truncated_memmap(caches, capsys):
+    sims = caches.knn_cache("final", "cos", "faiss", "valid") / "sims.bin"
+    sims.write_bytes(sims.read_bytes()[:-8])
+    assert sweep(caches, capsys) == (
+        f"gnnlm sweep: error: {sims} holds {60 * 128 * 4 - 8} bytes but its manifest says "
+        f"float32 [60, 128] = {60 * 128 * 4} bytes: the file is truncated or was replaced. "
+        f"Rebuild this stage.")
+
+
+def test_a_corrupt_manifest(caches, capsys):
+    manifest = caches.knn_cache("final", "cos", "faiss", "test") / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    line = sweep(caches, capsys)
+    assert line.startswith(f"gnnlm sweep: error: {manifest} is not valid JSON (")
+    assert line.endswith(f"the file is corrupt. Delete {manifest.parent} and run the stage "
+                         f"again, or rerun with --rebuild.")
+
+
+def test_a_refusal_names_the_fields_that_differ(caches, capsys):
+    with pytest.raises(Exception) as refused:
+        build_neighbors(caches, "valid", "final", "cos", NeighborsConfig(K=64))
+    assert "config.K: 128 → 64" in str(refused.value)
+    assert str(refused.value).endswith("Use another work directory, delete the folder, or "
+                                       "rerun with --rebuild.")
+
+
+def test_debug_shows_the_traceback(capsys):
+    with pytest.raises(ValueError, match=r"λ \(knn.lambda_\) must lie in \[0, 1\]"):
+        main(["pipeline", *CPU, "--knn.lambda_=1.5", "--debug"])
+
+
+def test_a_full_disk_leaves_only_a_partial_folder_that_resumes(tmp_path, monkeypatch):
+    """The disk fills up in the middle of a stage: the run stops with the OS error, the folder
+    stays ``.partial`` (nothing looks complete), and the next run resumes to the same bytes."""
+    def build(path, fail_at=None):
+        builder = ArtifactBuilder(path, kind="demo", config={"n": 6})
+        if builder.is_complete():
+            return
+        with builder:
+            values = builder.array("values", np.float64, (6, 4))
+            for chunk in builder.chunks(6, "demo"):
+                if chunk == fail_at:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                values[chunk] = chunk
+            builder.finish()
+
+    with pytest.raises(OSError, match="No space left on device"):
+        build(tmp_path / "a", fail_at=3)
+    assert not (tmp_path / "a").exists() and (tmp_path / "a.partial").is_dir()
+    progress = json.loads((tmp_path / "a.partial" / "progress.json").read_text())
+    assert progress["progress"]["chunks_done"] == 3
+    build(tmp_path / "a")
+    build(tmp_path / "b")
+    assert (tmp_path / "a" / "values.bin").read_bytes() == \
+        (tmp_path / "b" / "values.bin").read_bytes()
+    assert read_manifest(tmp_path / "a")["complete"]
+    shutil.rmtree(tmp_path / "b")

@@ -1,0 +1,314 @@
+"""SPALM trained end to end (gnnlm.spalm, gnnlm.lit.spalm, datamodules.spalm): W learns through
+every path, the gate at 1 is Transformer-XL, memory flows between segments, the data partitions
+every split with the right neighbour values, and the analyses count tokens."""
+from __future__ import annotations
+
+import json
+
+import faiss
+import numpy as np
+import pytest
+import torch
+from fakes import save_lm_checkpoint, write_features
+
+from gnnlm.artifacts import ArtifactBuilder, open_array
+from gnnlm.index import IndexConfig, build_index
+from gnnlm.metrics import target_nll
+from gnnlm.models.gpt import GPT, GPTConfig
+from gnnlm.neighbors import NeighborsConfig, build_neighbors, neighbor_values
+from gnnlm.spalm import Spalm
+from gnnlm.spalm_analysis import check_k_curve, frequency_buckets, gate_histogram, markdown
+from gnnlm.workdir import Workdir
+
+V, D = 20, 16
+
+
+def _gpt(memory_length=0, seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=V, context_length=16, n_layer=2, n_head=2, d_model=D,
+                         d_ff=32, dropout=0.0, memory_length=memory_length))
+
+
+def _batch(B=2, T=6, k=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g),
+            torch.randint(-1, V, (B, T, k), generator=g))
+
+
+# -- the model ----------------------------------------------------------------------------------
+def test_w_learns_from_the_input_the_retrieved_values_and_the_output():
+    """W.grad is the sum of its three contributions; each path cut alone removes one of them."""
+    model = Spalm(_gpt(), gate_bias=0.0)
+    with torch.no_grad():
+        model.gate.gate.weight.normal_(0, 0.3)           # a gate that depends on h
+    inputs, targets, values = _batch()
+
+    def w_grad(cut_values: bool, cut_output: bool) -> torch.Tensor:
+        model.zero_grad()
+        W = model.word_embedding
+        h = model.lm(inputs).final
+        logits, _ = model.gate(h.flatten(0, 1), values.flatten(0, 1),
+                               W.detach() if cut_output else W, None,
+                               value_weight=W.detach() if cut_values else W)
+        target_nll(logits, targets.flatten()).mean().backward()
+        return W.grad.clone()
+
+    model.zero_grad()
+    out = model(inputs, values)
+    target_nll(out.logits.flatten(0, 1), targets.flatten()).mean().backward()
+    full = model.word_embedding.grad.clone()
+    assert all(p.grad is not None for p in model.parameters())  # DDP: no unused parameter
+    from_input = w_grad(cut_values=True, cut_output=True)
+    from_values = w_grad(cut_values=False, cut_output=True) - from_input
+    from_output = w_grad(cut_values=True, cut_output=False) - from_input
+    torch.testing.assert_close(full, from_input + from_values + from_output)
+    assert from_values.abs().sum() > 0 and from_output.abs().sum() > 0
+    retrieved = torch.zeros(V, dtype=torch.bool)
+    retrieved[values[values >= 0]] = True                # the value path reaches only their rows
+    assert from_values[~retrieved].abs().sum() == 0 and from_values[retrieved].abs().sum() > 0
+    assert model.lm.lm_head.weight is model.lm.wte.weight  # one W: input = output embedding
+
+
+def test_gate_one_is_exactly_transformer_xl_and_no_long_term_memory_is_the_gpt():
+    gpt = _gpt(memory_length=6).eval()
+    spalm, plain = Spalm(gpt).eval(), Spalm(gpt, long_term=False).eval()
+    first, _, values = _batch(seed=1)
+    second, _, values2 = _batch(seed=2)
+    with torch.no_grad():
+        ref_a = gpt(first)
+        ref_b = gpt(second, memory=ref_a.memory)
+        out_a = spalm(first, values, force_gate=1.0)
+        out_b = spalm(second, values2, memory=out_a.memory, force_gate=1.0)
+        plain_b = plain(second, memory=plain(first).memory)
+    torch.testing.assert_close(out_b.logits, gpt.logits(ref_b.final), rtol=0, atol=0)
+    torch.testing.assert_close(plain_b.logits, gpt.logits(ref_b.final), rtol=0, atol=0)
+    assert plain.gate is None and plain_b.gate is None and torch.all(out_b.gate == 1)
+    with pytest.raises(ValueError, match="pass nbr_values"):
+        spalm(first)
+
+
+def test_untied_embeddings_are_refused():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=V, context_length=16, n_layer=1, n_head=2, d_model=D,
+                        d_ff=32, tie_embeddings=False))
+    with pytest.raises(ValueError, match="tie_embeddings=True"):
+        Spalm(gpt)
+
+
+# -- the work directory: features, neighbours, tokens, a base LM -----------------------------------
+SIZES = {"train": 300, "valid": 77, "test": 61}
+K, TRAIN_QUERIES = 8, 250
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        root = tmp_path_factory.mktemp("spalm")
+        wd = Workdir(root / "work")
+        ckpt, lm = save_lm_checkpoint(root / "lm.ckpt", vocab_size=V, n_layer=2, d_model=D,
+                                      dropout=0.0)
+        fingerprint = lm.model.fingerprint()
+        rng = np.random.default_rng(0)
+        for split, n in SIZES.items():
+            final = (np.cumsum(0.3 * rng.standard_normal((n, D)), axis=0)).astype(np.float32)
+            write_features(wd.features(split), final, targets=rng.integers(1, V, n).astype(
+                np.int32), split=split, vocab_size=V, lm=("gpt", fingerprint))
+        build_index(wd, "final", "cos", IndexConfig(factory="Flat", recall_queries=10))
+        for split in SIZES:
+            build_neighbors(wd, split, "final", "cos",
+                            NeighborsConfig(K=K, train_queries=TRAIN_QUERIES), leakage_window=4,
+                            device="cpu")
+        tokens = ArtifactBuilder(wd.tokens, kind="tokens")
+        with tokens:
+            tokens.finish(extra={"vocab_size": V, "bos_id": 0})
+        return wd, ckpt, fingerprint
+    finally:
+        faiss.omp_set_num_threads(before)
+
+
+def _data(work, **kw):
+    from datamodules.spalm import SpalmDataModule
+
+    wd, ckpt, _ = work
+    args = dict(workdir=str(wd.root), retrieved=K, block_size=5, batch_size=3,
+                eval_batch_size=4, base_lm_path=ckpt)
+    return SpalmDataModule(**{**args, **kw})
+
+
+def test_data_partitions_every_split_with_its_neighbour_values(work):
+    from gnnlm.datastore import open_features
+
+    wd = work[0]
+    data = _data(work)
+    assert data.n_positions("train") == TRAIN_QUERIES and data.stored_k == K
+    train_targets = np.asarray(open_features(wd.features("train"))[1]["targets"])
+    for split, loader in (("train", data.train_dataloader()), ("valid", data.val_dataloader()),
+                          ("test", data.test_dataloader())):
+        n = data.n_positions(split)
+        targets = np.asarray(open_features(wd.features(split))[1]["targets"])
+        ids = np.asarray(open_array(wd.neighbors("final", "cos", split), "ids"))
+        seen = []
+        for batch in loader:
+            keep = batch["mask"].bool()
+            positions = batch["positions"][keep]
+            assert torch.all(batch["positions"][~keep] == -1)
+            assert torch.all(batch["nbr_values"][~keep] == -1)
+            seen.append(positions)
+            p = positions.numpy()
+            assert np.array_equal(batch["target"][keep].numpy(), targets[p])
+            previous = np.where(p > 0, targets[np.maximum(p - 1, 0)], 0)  # [bos] + targets
+            assert np.array_equal(batch["input"][keep].numpy(), previous)
+            assert np.array_equal(batch["nbr_values"][keep].numpy(),
+                                  neighbor_values(ids[p], train_targets))
+        seen = torch.cat(seen)
+        assert sorted(seen.tolist()) == list(range(n)), split   # every position exactly once
+
+
+def test_data_refuses_what_the_neighbours_cannot_serve(work):
+    with pytest.raises(ValueError, match="train neighbours cover only the first 250"):
+        _data(work, train_tokens=TRAIN_QUERIES + 1).train_dataloader()
+    with pytest.raises(ValueError, match="choose 1 <= retrieved <= K"):
+        _data(work, retrieved=K + 1).val_dataloader()
+    data = _data(work, retrieved=0)
+    batch = next(iter(data.val_dataloader()))
+    assert "nbr_values" not in batch and data.n_positions("train") == TRAIN_QUERIES
+
+
+# -- the LightningModule ---------------------------------------------------------------------------
+def _module(work, **kw):
+    from gnnlm.lit.spalm import SpalmXL
+
+    _, ckpt, fingerprint = work
+    args = dict(base_lm=ckpt, base_lm_fingerprint=fingerprint, vocab_size=V, k=4,
+                memory_length=5, lr=1e-2, warmup_steps=1)
+    return SpalmXL(**{**args, **kw})
+
+
+def test_warm_start_is_the_base_lm_and_every_parameter_trains(work):
+    from gnnlm.models import load_gpt_checkpoint
+
+    base = load_gpt_checkpoint(work[1])
+    warm, scratch = _module(work), _module(work, init="scratch")
+    torch.testing.assert_close(warm.model.lm.wte.weight, base.wte.weight)
+    assert not torch.equal(scratch.model.lm.wte.weight, base.wte.weight)
+    assert all(p.requires_grad for p in warm.parameters())
+    assert _module(work, k=0).model.gate is None
+    with pytest.raises(ValueError, match="not the one the datastore was built with"):
+        _module(work, base_lm_fingerprint="another")
+    with pytest.raises(ValueError, match="init must be one of"):
+        _module(work, init="lukewarm")
+
+
+def test_memory_is_carried_from_one_batch_to_the_next_and_reset_per_pass(work):
+    model = _module(work).eval()
+    data = _data(work)
+    first, second = list(data.val_dataloader())[:2]
+    with torch.no_grad():
+        model.on_validation_epoch_start()
+        model.token_nll(first, "val")
+        carried, _, _ = model.token_nll(second, "val")
+        model.on_validation_epoch_start()
+        fresh, _, _ = model.token_nll(second, "val")
+        joined = {"input": torch.cat([first["input"], second["input"]], 1),
+                  "nbr_values": torch.cat([first["nbr_values"], second["nbr_values"]], 1)}
+        whole = model.model(joined["input"], joined["nbr_values"][..., :4])
+    expected = target_nll(whole.logits[:, 5:].flatten(0, 1), second["target"].flatten())
+    torch.testing.assert_close(carried, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(fresh, carried)
+
+
+def test_fit_and_predict_give_every_token_its_gate_and_the_k_curve(work):
+    import pytorch_lightning as pl
+
+    from gnnlm.runner import predict_extras, predict_logprobs
+
+    data = _data(work)
+    model = _module(work, k_curve=[1, 2, 4, 8])
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         limit_val_batches=0)
+    trainer.fit(model, datamodule=data)
+    logprob = {s: predict_logprobs(model, data, s, data.n_positions(s)) for s in ("valid", "test")}
+    arrays = model.predict_arrays()
+    assert set(arrays) == {"valid_gate", "test_gate"}
+    for split, values in logprob.items():
+        gates = arrays[f"{split}_gate"]
+        assert gates.shape == values.shape and not np.isnan(gates).any()
+        assert np.all((gates > 0) & (gates < 1))
+    extras = predict_extras(model)
+    curve = extras["k_curve"]
+    assert curve["k"] == [1, 2, 4, 8] and curve["tokens"] == SIZES["valid"]
+    valid_ppl = float(np.exp(-logprob["valid"].mean()))
+    assert curve["ppl"][2] == pytest.approx(valid_ppl, rel=1e-4)  # k = 4 is the trained model
+    json.dumps(extras)
+
+
+def test_a_k_beyond_what_the_data_carries_or_the_store_holds_is_refused(work):
+    import pytorch_lightning as pl
+
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"k = \[16\] neighbours asked for, but 8 are stored"):
+        trainer.fit(_module(work, k_curve=[1, 16]), datamodule=_data(work))
+    with pytest.raises(ValueError, match="data carries data.retrieved = 2"):
+        trainer.fit(_module(work, k_curve=[1, 4]), datamodule=_data(work, retrieved=2))
+    with pytest.raises(ValueError, match="k = 0 neighbours|k >= 1"):
+        _module(work, k_curve=[0, 1])
+
+
+# -- the analyses ---------------------------------------------------------------------------------
+def test_gate_histogram_counts_tokens_not_dimensions():
+    gates = np.array([0.05, 0.5, 0.51, 0.99, np.nan], dtype=np.float32)
+    hist = gate_histogram(gates, bins=10)
+    assert hist["counts"] == [1, 0, 0, 0, 0, 2, 0, 0, 0, 1] and hist["tokens"] == 4
+    assert hist["mean"] == pytest.approx(np.nanmean(gates), rel=1e-6)
+
+
+def test_frequency_buckets_split_the_tokens_by_train_count():
+    train_counts = np.array([0, 3, 50, 5000, 20000])
+    targets = np.array([0, 1, 1, 2, 3, 4, 4])
+    logprob = -np.arange(1, 8, dtype=np.float64)
+    rows = frequency_buckets(targets, train_counts, logprob, np.full(7, 0.5), logprob - 1)
+    assert [r["train_count"] for r in rows] == [[0, 0], [1, 9], [10, 99], [1000, 9999],
+                                                [10000, None]]
+    assert sum(r["tokens"] for r in rows) == 7 and rows[1]["tokens"] == 2
+    assert rows[1]["ppl"] == pytest.approx(np.exp(2.5))
+    assert rows[1]["baseline_ppl"] == pytest.approx(np.exp(3.5)) and rows[0]["gate_mean"] == 0.5
+    section = {"frequency_buckets": {"split": "test", "baseline": "transformer_xl", "rows": rows},
+               "k_curve": {"k": [1, 2], "ppl": [10.0, 9.0], "trained_k": 2, "tokens": 7},
+               "gate_histogram": {"test": gate_histogram(np.full(7, 0.5))}}
+    text = "\n".join(markdown(section))
+    assert "| 1–9 | 2 |" in text and "| valid ppl | 10.00 | 9.00 |" in text
+
+
+def test_k_curve_refuses_k_beyond_the_stored_neighbours():
+    check_k_curve([1, 2, 4], stored=4)
+    with pytest.raises(ValueError, match="1 <= k <= K"):
+        check_k_curve([1, 8], stored=4)
+
+
+def test_report_section_reads_the_head_artifact(work, tmp_path):
+    from gnnlm.spalm_analysis import results_section
+
+    wd = work[0]
+    rng = np.random.default_rng(0)
+    n = {s: SIZES[s] for s in ("valid", "test")}
+    builder = ArtifactBuilder(wd.head("spalm_xl"), kind="trained_model",
+                              config={"name": "spalm_xl"}, rebuild=True)
+    with builder:
+        for split, size in n.items():
+            builder.array(f"{split}_gate", np.float32, (size,))[...] = rng.uniform(0, 1, size)
+        curve = {"split": "valid", "trained_k": 4, "k": [1, 4], "tokens": n["valid"],
+                 "ppl": [12.0, 11.0]}
+        manifest = builder.finish(extra={"k_curve": curve})
+    scores = {row: {s: -rng.uniform(0.1, 5, size) for s, size in n.items()}
+              for row in ("spalm_xl", "transformer_xl")}
+    section = results_section(wd, manifest, scores, plot=tmp_path / "gates.png")
+    assert {s: h["tokens"] for s, h in section["gate_histogram"].items()} == n
+    assert section["k_curve"] == curve and (tmp_path / "gates.png").is_file()
+    rows = section["frequency_buckets"]["rows"]
+    assert sum(r["tokens"] for r in rows) == n["test"]
+    assert section["frequency_buckets"]["baseline"] == "transformer_xl"
+    assert "perplexity against the number of neighbours" in "\n".join(markdown(section))

@@ -1,0 +1,51 @@
+"""Integration on the WikiText-2 slice of ``configs/tests/pipeline.yaml``: SPALM trained end to
+end against the transformer and Transformer-XL trained the same way, each scoring the same test
+tokens once on contiguous segments, and SPALM's analyses in the report."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gnnlm.artifacts import open_array, read_manifest
+from gnnlm.workdir import Workdir
+
+pytestmark = pytest.mark.integration
+
+ROWS = ("transformer", "transformer_xl", "spalm_xl")
+
+
+def test_the_three_rows_score_every_token_of_the_same_splits(results, workdir):
+    wd = Workdir(workdir)
+    assert set(ROWS) <= set(results["ppl"]) and set(ROWS) <= set(results["valid_ppl"])
+    for row in ROWS:
+        for split in ("valid", "test"):
+            logprob = np.asarray(open_array(wd.head(row), f"{split}_logprob"))
+            assert len(logprob) == wd.n_positions(split) and np.all(logprob <= 0)
+    assert read_manifest(wd.head("spalm_xl"))["spalm"]["k"] == 4
+    assert read_manifest(wd.head("transformer_xl"))["model_class"] == "SpalmXL"
+
+
+def test_spalm_beats_transformer_xl_on_the_same_tokens(results):
+    for ppl in (results["ppl"], results["valid_ppl"]):
+        assert ppl["spalm_xl"] < ppl["transformer_xl"], ppl
+
+
+def test_spalm_analyses_are_in_the_report(results, workdir):
+    wd = Workdir(workdir)
+    analysis = results["spalm_xl_analysis"]
+    for split in ("valid", "test"):
+        hist = analysis["gate_histogram"][split]
+        assert sum(hist["counts"]) == hist["tokens"] == wd.n_positions(split)  # tokens, not dims
+        assert 0 < hist["mean"] < 1
+    curve = analysis["k_curve"]
+    assert curve["k"] == [1, 2, 4, 8, 16] and curve["trained_k"] == 4
+    assert curve["tokens"] == wd.n_positions("valid")
+    trained = curve["ppl"][curve["k"].index(4)]
+    assert trained == pytest.approx(results["valid_ppl"]["spalm_xl"], rel=1e-3)
+    buckets = analysis["frequency_buckets"]
+    assert buckets["baseline"] == "transformer_xl"
+    assert sum(r["tokens"] for r in buckets["rows"]) == results["tokens"]
+    assert all({"gate_mean", "ppl", "baseline_ppl"} <= set(r) for r in buckets["rows"])
+    report = workdir / "reports" / results["name"]
+    assert (report / "spalm_xl_gate_hist.png").is_file()
+    assert "number of neighbours" in (report / "results.md").read_text()
