@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from datamodules.graph import GraphDataModule
 from gnnlm.devices import torch_device
-from gnnlm.encode import sliding_windows, stream_tensor
+from gnnlm.encode import encode_windows
 from gnnlm.graph import GraphConfig
 from gnnlm.lit.gnn import GNNLM
 from gnnlm.models import load_base_lm
@@ -102,20 +102,18 @@ def time_evaluation(model: GNNLM, loader, device) -> tuple[float, int]:
 
 @torch.no_grad()
 def time_base_lm(workdir: Workdir, n: int, device, batch_size: int = 32) -> float:
-    """Seconds per token of the base LM's sliding-window evaluation of the first n test tokens."""
+    """Seconds per token of the base LM's evaluation of the first n test tokens: the sliding
+    windows of the report's protocol, and log p(target) of each scored position (as the
+    features stage computes them)."""
     model = load_base_lm(str(workdir.base_lm_checkpoint)).to(device)
     store = TokenStore.open(workdir.tokens)
     done = workdir.features_manifest("test")["config"]
-    context, stride = done["context"], done["stride"]
     tokens = np.asarray(store.split("test")[:n])
-    starts, _ = sliding_windows(len(tokens), context, stride)
-    stream = stream_tensor(tokens, store.bos_id)
     t0 = time.perf_counter()
-    for b in range(0, len(starts), batch_size):
-        idx = torch.from_numpy(starts[b: b + batch_size])[:, None] + torch.arange(context)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            feats = model(stream[idx].to(device))
-            torch.log_softmax(model.logits(feats.final).float(), dim=-1)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        for _ in encode_windows(model, tokens, store.bos_id, done["context"], done["stride"],
+                                batch_size=batch_size, with_logprob=True, device=device):
+            pass
     sync(device)
     return (time.perf_counter() - t0) / len(tokens)
 
@@ -128,6 +126,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8, help="graphs per batch")
     parser.add_argument("--impl", nargs="+", default=["dense"], choices=["dense", "pyg"])
+    parser.add_argument("--node-features", default="pq", choices=["pq", "raw"])
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     device = torch_device(args.device)
@@ -144,6 +143,7 @@ def main() -> None:
     for k in args.ks:
         for impl in args.impl:
             dm = GraphDataModule(workdir=str(workdir.root), block_size=args.block_size,
+                                 node_features=args.node_features,
                                  graph=GraphConfig(k=k), batch_size=args.batch_size,
                                  eval_batch_size=args.batch_size, num_workers=0,
                                  train_tokens=None, eval_tokens=args.tokens)

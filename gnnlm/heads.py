@@ -35,18 +35,22 @@ class SpalmGate(nn.Module):
         nn.init.constant_(self.gate.bias, gate_bias)
 
     def forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
-                force_gate: Optional[float] = None, value_weight: Optional[Tensor] = None
-                ) -> tuple[Tensor, Tensor]:
+                force_gate: Optional[float] = None, value_weight: Optional[Tensor] = None,
+                memory_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B, d])``.
 
         The y_k are rows of ``value_weight`` (default: ``weight``, SPALM's one W; a separate
-        tensor lets a caller follow or cut the gradient of each path on its own)."""
+        tensor lets a caller follow or cut the gradient of each path on its own).
+        ``memory_scale`` (a scalar or [d]) multiplies m_t before the gate (None: the paper's
+        m_t; ``gnnlm.spalm`` says why a warm-started model needs it)."""
         valid = nbr_values >= 0                                           # [B, K]
         table = weight if value_weight is None else value_weight
         y = table[nbr_values.clamp(min=0)]                                # [B, K, d]
         scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
         attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)              # no neighbour → m = 0
         m = torch.einsum("bk,bkd->bd", attn, y)                           # [B, d]
+        if memory_scale is not None:
+            m = memory_scale * m
         g = torch.sigmoid(self.gate(h)) if force_gate is None \
             else torch.full_like(h, float(force_gate))                    # [B, d]
         z = (1 - g) * m + g * h

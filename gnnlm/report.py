@@ -84,6 +84,21 @@ def _stage_seconds(cfg, workdir: Workdir, retrieval: dict, heads: dict, base_man
     return {k: round(float(v), 2) for k, v in timing.items()}
 
 
+def _retrieval_facts(r: dict) -> dict:
+    """What results.json says of one key's retrieval: the index, the search settings and their
+    measured recall against exact search, the neighbour stage's speed, the leakage masking."""
+    index, test = r["index"], r["neighbors"]["test"]
+    facts = {"factory": index["factory"], "nprobe": test.get("nprobe"),
+             "rerank": test.get("rerank"), "recall": index["recall"], "K": test["K"],
+             "target_recall": index.get("target_recall"),
+             "queries_per_s": test.get("queries_per_s"), "search_settings": index.get("tuning")}
+    train = r["neighbors"].get("train")
+    if train is not None:
+        facts.update({"masked_fraction": train["masked_fraction"],
+                      "leakage_window": train["leakage_window"]})
+    return facts
+
+
 def _markdown(results: dict) -> str:
     lines = [f"# {results['name']}: {results['dataset']}", "",
              f"Test tokens: {results['tokens']:,} ({results['protocol']}).", "",
@@ -113,8 +128,14 @@ def _markdown(results: dict) -> str:
     for key, info in results["retrieval"].items():
         masked = (f", train neighbours masked for leakage: {info['masked_fraction']:.3f}"
                   if "masked_fraction" in info else "")
-        lines.append(f"- key {key}: index {info['factory']} (recall@10 "
-                     f"{info['recall'].get('10')}){masked}")
+        lines.append(f"- key {key}: index {info['factory']}, nprobe {info.get('nprobe')}, "
+                     f"re-ranking {info.get('rerank')}x: recall@10 {info['recall'].get('10')}, "
+                     f"recall@100 {info['recall'].get('100')} against exact search; neighbour "
+                     f"search {info.get('queries_per_s')} queries/s{masked}")
+    if results.get("gnn_leakage"):
+        lines.append("- GNN-LM train graphs, leakage rule: " + ", ".join(
+            f"{name.replace('_', ' ')} {value:.4f}" for name, value in
+            results["gnn_leakage"].items()))
     lines += ["", "Stage build times (s): " + ", ".join(f"{k} {v}" for k, v in
                                                          results["timing_s"].items()), ""]
     return "\n".join(lines)
@@ -145,21 +166,22 @@ def _ablation_markdown(ablations: Optional[dict]) -> list[str]:
     return lines
 
 
-def plot_gate_histogram(histogram: list[int], path: Path) -> None:
-    """SPALM Figure 5: the distribution of gate values g_t over the test tokens."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_gate_histogram(histogram: list[int], path: Path, title: str = "") -> None:
+    """SPALM Figure 5: the distribution of the gate's values over the test tokens (the gate is
+    a vector: every dimension of every token is counted)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     edges = np.linspace(0, 1, len(histogram) + 1)
-    fig, ax = plt.subplots(figsize=(5, 3))
+    fig = Figure(figsize=(5, 3.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
     ax.bar(edges[:-1], histogram, width=edges[1] - edges[0], align="edge")
-    ax.set_xlabel("gate g_t (1 = local context, 0 = retrieved memory)")
-    ax.set_ylabel("tokens")
+    ax.set_xlabel("gate value (1 = local context, 0 = retrieved memory)")
+    ax.set_ylabel("gate values (tokens x dimensions)")
+    ax.set_title(title or "SPALM gate values on test")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dict,
@@ -182,12 +204,7 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
         "tokens": int(test_n), "protocol": feature_manifests["test"]["protocol"],
         "level": store.level, "ppl": ppl, "valid_ppl": valid_ppl, "hparams": hparams,
         "base_lm": model.identity(),
-        "retrieval": {key: {"factory": r["index"]["factory"], "recall": r["index"]["recall"],
-                            "K": r["neighbors"]["test"]["K"],
-                            **({"masked_fraction": r["neighbors"]["train"]["masked_fraction"],
-                                "leakage_window": r["neighbors"]["train"]["leakage_window"]}
-                               if "train" in r["neighbors"] else {})}
-                      for key, r in retrieval.items()},
+        "retrieval": {key: _retrieval_facts(r) for key, r in retrieval.items()},
         "timing_s": _stage_seconds(cfg, workdir, retrieval, heads, base_manifest,
                                    feature_manifests),
     }
@@ -202,7 +219,12 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
     for head in ("spalm", "spalm_ft"):
         if head in heads and "gate" in heads[head]:
             results[f"{head}_gate"] = heads[head]["gate"]
-            plot_gate_histogram(heads[head]["gate"]["histogram"], out / f"{head}_gate_hist.png")
+            plot_gate_histogram(heads[head]["gate"]["histogram"], out / f"{head}_gate_hist.png",
+                                f"{row_name(head)}: gate values on test")
+    if "gnn" in heads:  # the leakage rule's share of train-graph windows and nodes
+        results["gnn_leakage"] = {name.split("/")[1]: value
+                                  for name, value in heads["gnn"].get("metrics", {}).items()
+                                  if name.startswith("leakage/")}
     if "spalm_xl" in heads:  # SPALM §5: gates (valid, test), k curve, frequency buckets
         results["spalm_xl_analysis"] = spalm_section(workdir, heads["spalm_xl"], scores,
                                                      plot=out / "spalm_xl_gate_hist.png")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import faiss
 import numpy as np
@@ -151,6 +151,7 @@ class Searcher:
         self.manifest = manifest or {}
         self.nprobe: int | None = None
         self.rerank = 0.0
+        self._prepared: Optional[np.ndarray] = None
         self._cpu_index: Any = None
         self.backend = "faiss" if index is not None else "exact"
 
@@ -247,6 +248,10 @@ class Searcher:
         dist, ids = index.search(q, width)                             # [n, width] each
         ids = ids.astype(np.int64, copy=False)
         if self.rerank:
+            if self._prepared is None and self.keys.nbytes * 2 <= RERANK_RAM_BYTES:
+                self._prepared = prepare_keys(self.keys, self.metric)  # once per searcher
+            if self._prepared is not None:
+                return rerank(queries, ids, self._prepared, self.metric, k, prepared=True)
             return rerank(queries, ids, self.keys, self.metric, k)
         sims = -dist if self.metric == "l2" else dist
         sims[ids < 0] = -np.inf  # faiss pads with ±FLT_MAX
@@ -285,10 +290,25 @@ def similarity(queries: Any, keys: Any, metric: str) -> torch.Tensor:
     return (q * k).sum(-1)
 
 
+# keys re-ranked from RAM as float32 (unit rows for cos) when they take at most this many bytes
+RERANK_RAM_BYTES = 4 << 30
+
+
+def prepare_keys(keys: Any, metric: str, chunk: int = 1 << 20) -> np.ndarray:
+    """``keys`` as float32 in RAM, L2-normalised for cos: what ``rerank(prepared=True)`` reads
+    (no conversion or norm per candidate)."""
+    out = np.empty(keys.shape, dtype=np.float32)
+    for start in range(0, len(out), chunk):
+        block = np.asarray(keys[start:start + chunk], dtype=np.float32)
+        out[start:start + chunk] = normalize_rows(block) if metric == "cos" else block
+    return out
+
+
 def rerank(queries: Any, ids: np.ndarray, keys: Any, metric: str, k: int,
-           max_elems: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+           max_elems: int = 1 << 24, prepared: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The k best of candidate ``ids`` [n, R] (-1: none) by exact similarity to ``queries``
-    [n, d], from the stored ``keys``: ``(sims float32 [n, k], ids int64 [n, k])``, best first."""
+    [n, d], from the stored ``keys`` (or from ``prepare_keys(keys)`` with ``prepared``):
+    ``(sims float32 [n, k], ids int64 [n, k])``, best first."""
     check_metric(metric)
     n, R = ids.shape
     d = int(keys.shape[1])
@@ -305,7 +325,7 @@ def rerank(queries: Any, ids: np.ndarray, keys: Any, metric: str, k: int,
         if metric == "cos":
             q = F.normalize(q, dim=1, eps=1e-12)
         sims = torch.bmm(keys_b, q[:, :, None]).squeeze(-1)           # [b, R]
-        if metric == "cos":
+        if metric == "cos" and not prepared:
             sims /= keys_b.norm(dim=-1).clamp_min(1e-12)
         elif metric == "l2":
             sims = (2 * sims - (q * q).sum(-1, keepdim=True)

@@ -16,18 +16,51 @@ input tokens, the retrieved values y_i (the "value encoder" is the embedding), a
 softmax. The keys are not part of the model: each token's neighbours were retrieved once with
 the frozen pretrained LM, and arrive as an int tensor of values (-1 = none).
 
+**The memory scale** (``memory_scale="learned"``, the default): m_t enters as s·m_t, with one
+learned scalar s > 0 (trained as log s),
+
+.. math::
+    z_t = (1 - g_t) \odot s\, m_t + g_t \odot h_t,
+
+initialised to E‖h_t‖ / E‖y‖ (``initial_memory_scale``). Why: the paper trains from scratch, so
+W and h_t co-adapt and m_t (a convex combination of rows of W) lives at the scale of h_t. A
+warm-started LM does not have that: h_t leaves the final LayerNorm with its learned gain
+(‖h_t‖ ≈ 9 on the WikiText-2 test LM) while its tied embeddings have ‖y‖ ≈ 1, so W m_t moves the
+logits by about one tenth of what W h_t does, and any g_t < 1 mostly shrinks h_t (a flatter
+softmax) instead of adding the retrieved tokens; the gate then learns to close (g ≈ 0.99). The
+scale puts m_t at h_t's norm from the first step and lets training choose it. It changes
+neither the attention over the values (softmax_i(y_i^T h_t) are still the LM's own logits of
+the retrieved tokens; scaling them too, i.e. y → s·y, sharpens that softmax to nearly an argmax
+and was worse) nor the gate. ``memory_scale="none"`` is the paper's equations exactly
+(s ≡ 1, no parameter).
+
 Without long-term memory (``long_term=False``) the model is exactly the GPT: no gate, no
 parameter that would go unused. The maths is ``gnnlm.heads.SpalmGate``; this module adds the
 Transformer-XL body and how the two are combined.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
+import torch
 from torch import Tensor, nn
 
 from gnnlm.heads import SpalmGate
 from gnnlm.models.gpt import GPT
+
+MEMORY_SCALES = ("learned", "none")
+
+
+@torch.no_grad()
+def initial_memory_scale(lm: GPT) -> float:
+    """The memory scale's start, E‖h_t‖ / E‖y‖, read from the weights (no data): the final
+    LayerNorm's output has norm about sqrt(Σγ² + Σβ²) (unit-variance coordinates times its gain,
+    plus its bias); the word embeddings, the root mean square of W's rows."""
+    ln = lm.ln_f
+    h_norm = (ln.weight.float().pow(2).sum() + ln.bias.float().pow(2).sum()).sqrt()
+    y_norm = lm.wte.weight.float().pow(2).sum(-1).mean().sqrt()
+    return float(h_norm / y_norm)
 
 
 class SpalmOutput(NamedTuple):
@@ -43,15 +76,36 @@ class Spalm(nn.Module):
     ``lm`` must tie its input and output embeddings (SPALM's W is one matrix).
     ``long_term``: build the gate (False: the plain GPT / Transformer-XL). ``gate_bias``: the
     gate's initial bias (``SpalmGate``), so a warm-started model starts close to its LM.
+    ``memory_scale``: ``"learned"`` (s·m_t, see the module's docstring) or ``"none"`` (the
+    paper's m_t).
     """
 
-    def __init__(self, lm: GPT, long_term: bool = True, gate_bias: float = 2.0):
+    def __init__(self, lm: GPT, long_term: bool = True, gate_bias: float = 2.0,
+                 memory_scale: str = "learned"):
         super().__init__()
         if lm.lm_head.weight is not lm.wte.weight:
             raise ValueError("SPALM shares one word embedding W between input and output: the "
                              "GPT must be built with tie_embeddings=True.")
         self.lm = lm
         self.gate = SpalmGate(lm.hidden_size, gate_bias) if long_term else None
+        if memory_scale not in MEMORY_SCALES:
+            raise ValueError(f"memory_scale must be one of {MEMORY_SCALES} (got {memory_scale!r}).")
+        self.log_memory_scale = (
+            nn.Parameter(torch.tensor(math.log(initial_memory_scale(lm))))
+            if long_term and memory_scale == "learned" else None)
+
+    def memory_parameters(self) -> list[nn.Parameter]:
+        """The parameters SPALM adds to the LM (the gate's, log s), for their own learning rate;
+        none without long-term memory."""
+        if self.gate is None:
+            return []
+        scale = [] if self.log_memory_scale is None else [self.log_memory_scale]
+        return [*self.gate.parameters(), *scale]
+
+    @property
+    def memory_scale(self) -> Optional[Tensor]:
+        """The memory scale s (a scalar tensor); None: the paper's m_t."""
+        return None if self.log_memory_scale is None else self.log_memory_scale.exp()
 
     @property
     def memory_length(self) -> int:
@@ -78,7 +132,7 @@ class Spalm(nn.Module):
         lead = h.shape[:-1]
         logits, gate = self.gate(h.reshape(-1, h.shape[-1]),
                                  nbr_values.reshape(-1, nbr_values.shape[-1]), weight, None,
-                                 force_gate)
+                                 force_gate, memory_scale=self.memory_scale)
         return logits.view(*lead, -1), gate.view(*lead, -1)
 
     def forward(self, input_ids: Tensor, nbr_values: Optional[Tensor] = None,

@@ -19,12 +19,12 @@ def in_repo(monkeypatch):
 def test_overlays_merge_key_by_key():
     cfg = load_config(CPU)
     assert (cfg.name, cfg.neighbors.K, cfg.features.context) == ("wikitext2-cpu", 128, 128)
-    assert cfg.knn.keys == ["final", "att"] and cfg.knn.metric == "cos"  # from the base
+    assert cfg.knn.keys == ["final"] and cfg.knn.metric == "cos"        # overlay, base
     assert cfg.heads()["gnn"][-1] == "configs/wikitext2/gnnlm_cpu.yaml"
     merged = merged_yaml(cfg.heads()["gnn"])
     assert merged["trainer"]["accelerator"] == "cpu"                     # the trainer preset
     assert merged["model"]["init_args"]["num_layers"] == 3               # the base
-    assert merged["data"]["init_args"]["graph"]["k"] == 8                # the overlay
+    assert merged["data"]["init_args"]["graph"]["k"] == 16               # the overlay
 
 
 @pytest.mark.parametrize("flag,message", [
@@ -48,10 +48,10 @@ def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
            "configs/wikitext2/gnnlm_cpu.yaml", str(overlay)]
     with pytest.raises(ValueError, match=r"data.metric = 'l2'.*knn.metric = 'cos'"):
         load_config([*CPU, f"--gnn.config={gnn}"])
-    with pytest.raises(ValueError, match=r"train_tokens = 100000 positions but only the first "
+    with pytest.raises(ValueError, match=r"train_tokens = 250000 positions but only the first "
                                          r"neighbors.train_queries = 5000"):
         load_config([*CPU, "--neighbors.train_queries=5000"])
-    with pytest.raises(ValueError, match=r"keeps k = 8 neighbours per token but neighbors.K = 4"):
+    with pytest.raises(ValueError, match=r"keeps k = 16 neighbours per token but neighbors.K = 4"):
         load_config([*CPU, "--neighbors.K=4", "--knn.ks=[4]"])
 
 

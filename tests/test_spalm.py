@@ -49,7 +49,8 @@ def test_w_learns_from_the_input_the_retrieved_values_and_the_output():
         h = model.lm(inputs).final
         logits, _ = model.gate(h.flatten(0, 1), values.flatten(0, 1),
                                W.detach() if cut_output else W, None,
-                               value_weight=W.detach() if cut_values else W)
+                               value_weight=W.detach() if cut_values else W,
+                               memory_scale=model.memory_scale)
         target_nll(logits, targets.flatten()).mean().backward()
         return W.grad.clone()
 
@@ -67,6 +68,34 @@ def test_w_learns_from_the_input_the_retrieved_values_and_the_output():
     retrieved[values[values >= 0]] = True                # the value path reaches only their rows
     assert from_values[~retrieved].abs().sum() == 0 and from_values[retrieved].abs().sum() > 0
     assert model.lm.lm_head.weight is model.lm.wte.weight  # one W: input = output embedding
+    assert model.log_memory_scale.grad is not None and model.log_memory_scale.grad != 0
+
+
+def test_the_memory_scale_starts_at_the_norm_ratio_and_none_is_the_paper():
+    """learned: s·m_t with s ≈ E‖h‖ / E‖y‖ at the start, trained with the gate; none: the
+    paper's equations, no extra parameter."""
+    gpt = _gpt().eval()
+    with torch.no_grad():
+        gpt.ln_f.weight.fill_(3.0)                       # h far larger than the embeddings
+    learned, paper = Spalm(gpt, gate_bias=0.0).eval(), Spalm(gpt, memory_scale="none").eval()
+    inputs, _, values = _batch()
+    with torch.no_grad():
+        h = gpt(inputs).final
+        y_norm = gpt.wte.weight.norm(dim=-1).pow(2).mean().sqrt()
+        s = float(learned.memory_scale)
+        assert s == pytest.approx(float(h.norm(dim=-1).mean() / y_norm), rel=0.1)
+        flat_h, flat_v, W = h.flatten(0, 1), values.flatten(0, 1), learned.word_embedding
+        torch.testing.assert_close(
+            learned(inputs, values).logits.flatten(0, 1),
+            learned.gate(flat_h, flat_v, W, None, memory_scale=torch.tensor(s))[0])
+        torch.testing.assert_close(paper(inputs, values).logits.flatten(0, 1),
+                                   paper.gate(flat_h, flat_v, W, None)[0])
+    assert paper.memory_scale is None and paper.memory_parameters() == list(
+        paper.gate.parameters())
+    assert learned.memory_parameters()[-1] is learned.log_memory_scale
+    assert Spalm(gpt, long_term=False).memory_parameters() == []
+    with pytest.raises(ValueError, match="memory_scale must be one of"):
+        Spalm(gpt, memory_scale="fixed")
 
 
 def test_gate_one_is_exactly_transformer_xl_and_no_long_term_memory_is_the_gpt():

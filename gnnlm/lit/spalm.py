@@ -42,6 +42,7 @@ class SpalmXL(TokenLevelModule):
     def __init__(self, base_lm: str = "", base_lm_fingerprint: Optional[str] = None,
                  vocab_size: int = 0, k: int = 4, memory_length: int = 128,
                  init: str = "warm", dropout: Optional[float] = None, gate_bias: float = 2.0,
+                 memory_scale: str = "learned",
                  k_curve: Optional[list[int]] = None, k_curve_tokens: Optional[int] = None,
                  lr: float = 1e-3, gate_lr: Optional[float] = None, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50,
@@ -55,8 +56,11 @@ class SpalmXL(TokenLevelModule):
         ``dropout``: None keeps the base LM's. ``k_curve``: the k's at which predict on valid
         also scores the model (Table 5; at most the values the data carries, and those at
         most the stored K); ``k_curve_tokens``: only the first that many valid positions.
-        ``gate_lr``: the gate's learning rate (None: ``lr``); a warm-started LM wants a small
-        step, while w_g starts from zero.
+        ``memory_scale``: ``"learned"`` (the retrieved-value vector m_t enters as s·m_t, s
+        learned and started at ‖h‖/‖y‖: ``gnnlm.spalm`` says why a warm start needs it) or
+        ``"none"`` (the paper's m_t).
+        ``gate_lr``: the learning rate of what SPALM adds (w_g and log s; None: ``lr``); a
+        warm-started LM wants a small step, while w_g starts from zero.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -86,7 +90,7 @@ class SpalmXL(TokenLevelModule):
         lm = GPT(config)
         if init == "warm":
             lm.load_state_dict(base.state_dict())
-        self.model = Spalm(lm, long_term=k > 0, gate_bias=gate_bias)
+        self.model = Spalm(lm, long_term=k > 0, gate_bias=gate_bias, memory_scale=memory_scale)
         self.memory_length = memory_length
         self._memory: dict[str, Optional[list[torch.Tensor]]] = {}
         self.gate_means: dict[str, np.ndarray] = {}   # per split, of the last predict run
@@ -123,6 +127,11 @@ class SpalmXL(TokenLevelModule):
         positions = batch["positions"].flatten()
         if stage == "predict":
             self._record(batch, out, nll, mask, positions)
+        elif out.gate is not None:
+            gate = (out.gate.mean(-1).flatten() * mask).sum() / mask.sum().clamp(min=1)
+            self.log(f"{stage}/gate", gate.float(), batch_size=int(mask.sum()))
+            if self.model.memory_scale is not None and stage == "train":
+                self.log("train/memory_scale", self.model.memory_scale.detach().float().mean())
         return nll, mask, positions
 
     def setup(self, stage: str) -> None:
@@ -142,9 +151,10 @@ class SpalmXL(TokenLevelModule):
                              f"carries data.retrieved = {carried}: raise it.")
 
     def configure_optimizers(self):
-        """AdamW + warmup/cosine (``gnnlm.lit.optim``), the gate at ``gate_lr``."""
+        """AdamW + warmup/cosine (``gnnlm.lit.optim``), the gate and memory scale at
+        ``gate_lr``."""
         hp = self.hparams
-        gate = set() if self.model.gate is None else set(self.model.gate.parameters())
+        gate = set(self.model.memory_parameters())
         groups = []
         for lr, params in ((hp.lr, [p for p in self.parameters() if p not in gate]),
                            (hp.gate_lr or hp.lr, [p for p in self.parameters() if p in gate])):
