@@ -20,6 +20,18 @@ def data_dir() -> Path:
     return Path(os.environ.get("GNNLM_DATA", REPO.parent / "shared" / "data"))
 
 
+@pytest.fixture
+def one_faiss_thread():
+    """faiss on one thread: on 2 shared cores, OpenMP spinning on a busy core makes faiss
+    training several times slower than one thread."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def wikitext_root() -> Path:
     root = data_dir()

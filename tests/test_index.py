@@ -28,14 +28,7 @@ def clustered(n=20000, d=64, centres=200, rank=8, seed=0):
     return (x + 0.05 * rng.standard_normal((n, d))).astype(np.float32)
 
 
-@pytest.fixture(autouse=True)
-def one_faiss_thread():
-    # The CI machine has 2 shared cores; OpenMP spinning on a busy core makes faiss training
-    # several times slower than one thread.
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,7 @@ from gnnlm.workdir import Workdir
 N, D = 3000, 32
 
 
-@pytest.fixture(autouse=True)
-def one_faiss_thread():
-    # OpenMP spinning on a busy shared core makes faiss training slower than one thread.
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 
 def low_rank(n=N, d=D, rank=2, seed=0):

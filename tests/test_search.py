@@ -21,14 +21,7 @@ from gnnlm.search import (
 )
 from gnnlm.workdir import Workdir
 
-
-@pytest.fixture(autouse=True)
-def one_faiss_thread():
-    # OpenMP spinning on a busy shared core makes faiss training slower than one thread.
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 
 def brute_force(keys, queries, k, metric):
