@@ -86,7 +86,7 @@ def main() -> None:
     cache = {k: np.asarray(v[:n]) for k, v in cache.items()}
     K = cache["sims"].shape[1]
     t_knn, _ = timed(lambda: knn_lm_logprob(cache, K, 0.1, 0.25), repeat=3)
-    searcher = Searcher.open(workdir.index(args.key, args.metric))
+    searcher = Searcher.for_workdir(workdir, args.key, args.metric)
     queries = np.asarray(open_features(workdir.features("test"))[1][args.key][:n],
                          dtype=np.float32)
     t_search, _ = timed(lambda: searcher.search(queries, K))

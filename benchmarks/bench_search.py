@@ -96,7 +96,7 @@ def main() -> None:
               f"(train {manifest['train_seconds']} s, add {manifest['add_seconds']} s), "
               f"recall {manifest['recall']}")
 
-        searcher = Searcher.open(workdir.index("final", args.metric))
+        searcher = Searcher.for_workdir(workdir, "final", args.metric)
         raw_queries = queries.copy()
         if args.metric == "cos":
             faiss.normalize_L2(raw_queries)  # what Searcher does before calling faiss

@@ -26,7 +26,7 @@ def retrieved_contexts(workdir: Workdir, key: str, metric: str, base_lm: str, te
     if len(ids) == 0:
         raise ValueError("explain needs a non-empty --text.")
     model = load_base_lm(base_lm)
-    searcher = Searcher.open(workdir.index(key, metric))
+    searcher = Searcher.for_workdir(workdir, key, metric)
     _, train = open_features(workdir.features("train"), expect_lm=model.identity())
     query = encode_text_positions(model, ids, store.bos_id)[key][-1:]       # [1, d]
     sims, positions = searcher.search(query.astype(np.float32), top)

@@ -110,7 +110,10 @@ def test_no_train_neighbour_inside_the_leakage_window(workdir):
         t = np.arange(len(ids))[:, None]
         valid = ids >= 0
         assert valid.mean() > 0.99
-        assert np.all(np.abs(ids - t)[valid] >= manifest["leakage_window"])
+        ahead = ids - t                      # a neighbour p has read the targets t in [p - W, p]
+        W = manifest["leakage_window"]
+        assert not np.any(valid & (ahead >= 0) & (ahead <= W))
+        assert np.any(valid & (ahead < 0) & (ahead >= -W))  # behind the query: allowed, kept
         assert manifest["leakage_window"] == 64 and 0 < manifest["masked_fraction"] < 1
 
 
@@ -211,7 +214,7 @@ def test_a_datastore_made_by_another_base_lm_is_refused_naming_both(workdir, tmp
 def test_k_larger_than_the_datastore_is_refused(workdir):
     from gnnlm.search import Searcher
 
-    searcher = Searcher.open(Workdir(workdir).index("final", "cos"))
+    searcher = Searcher.for_workdir(Workdir(workdir), "final", "cos")
     with pytest.raises(ValueError, match=f"datastore size {searcher.ntotal}"):
         searcher.search(np.zeros((1, searcher.d), dtype=np.float32), searcher.ntotal + 1)
     with pytest.raises(ValueError, match="dim"):
