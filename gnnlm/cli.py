@@ -47,15 +47,20 @@ def default_wandb_offline() -> None:
         os.environ.setdefault("WANDB_MODE", "offline")
 
 
-class _DropTips(logging.Filter):
+class _DropLines(logging.Filter):
+    DROPPED = ("💡 Tip",                           # promotional tips
+               "`weights_only` was not set")       # said when saving the full training state,
+                                                   # which is meant; loading is weights-only
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith("💡 Tip")
+        return not str(record.getMessage()).startswith(self.DROPPED)
 
 
 def quiet_lightning() -> None:
-    """Silence Lightning's promotional tips and the warnings that are not true here."""
-    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_DropTips())
+    """Silence Lightning's promotional tips and the messages that are not true here."""
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
+                 "pytorch_lightning.trainer.connectors.checkpoint_connector"):
+        logging.getLogger(name).addFilter(_DropLines())
     for message in (
             ".*tensorboardX.*",                     # the CSV logger is the intended default
             ".*sync_dist=True.*",                   # epoch metrics are reduced over ranks already

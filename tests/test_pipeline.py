@@ -123,14 +123,15 @@ def reachable_ctx(graph, hops: int) -> np.ndarray:
     n_ctx, n_nbr = graph["ctx"].num_nodes, graph["nbr"].num_nodes
     offset = {"ctx": 0, "nbr": n_ctx}
     size = n_ctx + n_nbr
-    step = np.eye(size, dtype=np.int64)                              # staying put
+    step = np.eye(size, dtype=np.float32)                            # staying put
     for (src, _, dst), store in graph.edge_items():
         edges = store.edge_index.numpy()
         step[edges[0] + offset[src], edges[1] + offset[dst]] = 1
-    reach = np.eye(size, dtype=np.int64)
-    for _ in range(hops):
-        reach = np.minimum(reach @ step, 1)
-    return reach[n_ctx:, :n_ctx].astype(bool)
+    # backwards from the ctx nodes (few): reached[j, u] = u reaches ctx node j in <= hops steps
+    reached = step[:, :n_ctx].T                                      # [n_ctx, size]
+    for _ in range(hops - 1):
+        reached = np.minimum(reached @ step.T, 1)                    # 0/1 floats: BLAS, exact
+    return (reached[:, n_ctx:] > 0).T
 
 
 def leaks(graph, C: int) -> int:
