@@ -4,6 +4,7 @@ machine. The fits extrapolate to WikiText-103 (103M train tokens).
 
     python benchmarks/bench_scale.py                       # 1M, 4M, 16M x d 128, 256
     python benchmarks/bench_scale.py --sizes 1e6 4e6 --dims 128 --root /tmp/scale
+    python benchmarks/bench_scale.py --code-budget-gb 0       # IVF-PQ, as for WikiText-103
 
 Per (N, d) it prints: the factory and search settings the ``auto`` rule chose, index train and
 add time, search queries/s at k = 128 with the chosen settings and the recall@10 they reach
@@ -124,6 +125,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 4e6, 16e6])
     parser.add_argument("--dims", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--root", default="runs/bench_scale")
+    parser.add_argument("--code-budget-gb", type=float, default=IndexConfig.code_budget_gb,
+                        help="index.code_budget_gb: 0 makes the auto rule choose IVF-PQ at every "
+                             "size, as it does for WikiText-103's 103M x 512 keys")
     args = parser.parse_args()
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
@@ -134,7 +138,7 @@ def main() -> None:
         rows = []
         print(header)
         for n in (int(s) for s in args.sizes):
-            row = measure(root, n, d, IndexConfig())
+            row = measure(root, n, d, IndexConfig(code_budget_gb=args.code_budget_gb))
             rows.append(row)
             print(f"{n:>10,} {d:>4} {row['factory']:<34} {row['nprobe']:>6} "
                   f"{str(row['rerank']):>6} {row['train_s']:>8.1f} {row['add_s']:>7.1f} "

@@ -91,12 +91,14 @@ def main() -> None:
         write_features(workdir.features("train"), keys)
         t0 = time.perf_counter()
         manifest = build_index(workdir, "final", args.metric, IndexConfig(
-            factory=args.factory, nprobe=args.nprobe, recall_queries=500))
+            factory=args.factory, recall_queries=500))
         print(f"index: {manifest['factory']} built in {time.perf_counter() - t0:.1f} s "
               f"(train {manifest['train_seconds']} s, add {manifest['add_seconds']} s), "
               f"recall {manifest['recall']}")
 
-        searcher = Searcher.for_workdir(workdir, "final", args.metric)
+        # the same index and nprobe for both, no re-ranking: the wrapper's own cost
+        searcher = Searcher.for_workdir(workdir, "final", args.metric, nprobe=args.nprobe,
+                                        rerank=0)
         raw_queries = queries.copy()
         if args.metric == "cos":
             faiss.normalize_L2(raw_queries)  # what Searcher does before calling faiss
