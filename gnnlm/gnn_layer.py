@@ -222,7 +222,7 @@ class HGTLayer(nn.Module):
     """PyG's ``HGTConv`` (Hu et al. 2020) with GNNLMConv's call and guarantees.
 
     ``HGTConv`` returns α·A + (1−α)·h for the node types that receive edges (its own gated
-    skip, α = σ(skip)) and leaves the others out (STACK-NOTES pitfall 3). This wrapper adds the
+    skip, α = σ(skip)) and leaves the others out of its output. This wrapper adds the
     conv's update, ``HGTConv(h) − h``, to the raw input x: without ``layer_norm`` and dropout
     that is exactly HGTConv's output, node types it leaves out are carried forward unchanged,
     and with ``layer_norm`` the residual stream stays un-normalised as in ``GNNLMConv``.

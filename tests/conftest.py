@@ -37,7 +37,7 @@ def wikitext_root() -> Path:
     root = data_dir()
     if not (root / "wikitext-2" / "train.txt").is_file():
         pytest.fail(f"WikiText-2 not found under {root}: set GNNLM_DATA to the folder holding "
-                    f"wikitext-2/ (CI has it at ../shared/data).")
+                    f"wikitext-2/ (the default is ../shared/data).")
     return root
 
 

@@ -1,6 +1,6 @@
 """The one interface every base LM offers to the rest of the pipeline.
 
-Per position a base LM yields two feature vectors (DESIGN.md "Features"):
+Per position a base LM yields two feature vectors:
 
 - ``final``: the last layer's output after the final norm, what the softmax sees
   (GNN-LM's key and node feature; ``logits = final @ W.T + b``);
