@@ -151,7 +151,7 @@ class Searcher:
         self.manifest = manifest or {}
         self.nprobe: int | None = None
         self.rerank = 0.0
-        self.prepared_keys: Optional[np.ndarray] = None
+        self._prepared: Optional[np.ndarray] = None   # keys for re-ranking, made once
         self._cpu_index: Any = None
         self.backend = "faiss" if index is not None else "exact"
 
@@ -248,10 +248,10 @@ class Searcher:
         dist, ids = index.search(q, width)                             # [n, width] each
         ids = ids.astype(np.int64, copy=False)
         if self.rerank:
-            if self.prepared_keys is None and self.keys.nbytes * 2 <= RERANK_RAM_BYTES:
-                self.prepared_keys = prepare_keys(self.keys, self.metric)  # once per searcher
-            if self.prepared_keys is not None:
-                return rerank(queries, ids, self.prepared_keys, self.metric, k, prepared=True)
+            if self._prepared is None and self.keys.nbytes * 2 <= RERANK_RAM_BYTES:
+                self._prepared = prepare_keys(self.keys, self.metric)  # once per searcher
+            if self._prepared is not None:
+                return rerank(queries, ids, self._prepared, self.metric, k, prepared=True)
             return rerank(queries, ids, self.keys, self.metric, k)
         sims = -dist if self.metric == "l2" else dist
         sims[ids < 0] = -np.inf  # faiss pads with ±FLT_MAX

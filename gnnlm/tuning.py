@@ -15,14 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gnnlm.search import (
-    RERANK_RAM_BYTES,
-    Searcher,
-    exact_search,
-    prepare_keys,
-    recall_at,
-    set_nprobe,
-)
+from gnnlm.search import Searcher, exact_search, recall_at, set_nprobe
 
 
 def measure(searcher: Searcher, queries: np.ndarray, exact_ids: np.ndarray, k: int) -> dict:
@@ -42,17 +35,15 @@ def tune(index: Any, keys: Any, queries: np.ndarray, key: str, metric: str,
     n = int(index.ntotal)
     k = min(k, n)
     _, exact_ids = exact_search(keys, queries, min(max(k, 100), n), metric)
-    # the keys re-ranking reads, made once (as a searcher makes them once for all its queries)
-    prepared = prepare_keys(keys, metric) if keys.nbytes * 2 <= RERANK_RAM_BYTES else None
+    # one searcher for every setting: it prepares the keys re-ranking reads once, as the
+    # neighbours stage's searcher does for all its queries
+    searcher = Searcher(metric=metric, key=key, ntotal=n, d=index.d, index=index, keys=keys)
     table = []
     for nprobe in nprobes:
         set_nprobe(index, nprobe)
         for rerank in reranks:
-            searcher = Searcher(metric=metric, key=key, ntotal=n, d=index.d, index=index,
-                                keys=keys)
             searcher.nprobe, searcher.rerank = nprobe, float(rerank)
-            searcher.prepared_keys = prepared
-            searcher.search(queries[:16], k)                           # warm caches
+            searcher.search(queries[:16], k)             # warm caches (and prepare the keys)
             table.append({"nprobe": int(nprobe), "rerank": float(rerank),
                           **measure(searcher, queries, exact_ids, k)})
     reached = [row for row in table if row.get("recall@10", 1.0) >= target_recall]
