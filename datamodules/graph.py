@@ -12,10 +12,17 @@ any ctx token it can reach (retrieved tokens that would are replaced by the next
 neighbours). Blocks partition each split, so evaluation scores every token exactly once, the
 same tokens as the base LM and kNN-LM.
 
+Valid/test blocks leave their windows out (``eval_windows="once"``, ``gnnlm.graph.
+build_context_graph``): each token names the k train positions it retrieved, and the GNN-LM
+module computes each retrieved window once (``gnnlm.window_states``), whichever tokens, batches
+and evaluations retrieve it. ``"per_retrieval"`` gives every retrieval its own window nodes, as
+in training: the same numbers, at the cost of one window per retrieval.
+
 The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger k) is
 ``k_schedule``: ``[[0, 8], [2, 16]]`` uses k=8 from epoch 0 and k=16 from epoch 2; it needs
 ``reload_dataloaders_every_n_epochs: 1``. Evaluation uses ``graph.k``, which must be the
-schedule's last k.
+schedule's last k, unless ``eval_k`` is set: a trained GNN-LM reads any number of windows, and
+``eval_ks`` lists the values ``gnnlm pipeline`` scores on valid to choose the one it reports.
 """
 from __future__ import annotations
 
@@ -32,17 +39,22 @@ from torch_geometric.loader import DataLoader
 from datamodules.sampling import eval_sampler
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
 from gnnlm.datastore import load_output_embedding, open_features
-from gnnlm.graph import GraphConfig, build_graph
+from gnnlm.graph import GraphConfig, build_context_graph, build_graph
 from gnnlm.pq import PQFeatures, RawFeatures
 from gnnlm.workdir import Workdir
 
 
 class GraphBlocks(Dataset):
-    """Block i of a split → one HeteroData with node features ``x`` and ``ctx`` targets ``y``."""
+    """Block i of a split → one HeteroData with node features ``x`` and ``ctx`` targets ``y``;
+    with ``node_features=None``, the block without its windows (``ctx.retrieved`` instead:
+    evaluation only)."""
 
     def __init__(self, workdir: Workdir, split: str, key: str, metric: str, node_features,
                  block_size: int, graph: GraphConfig, leakage_context: Optional[int],
                  max_tokens: Optional[int] = None):
+        if node_features is None and leakage_context is not None:
+            raise ValueError("Blocks without window nodes are evaluation blocks: the leakage "
+                             "rule of train graphs drops nodes per token.")
         self.workdir, self.split, self.key = workdir, split, key
         self.node_features, self.block_size, self.graph = node_features, block_size, graph
         self.leakage_context = leakage_context
@@ -73,10 +85,13 @@ class GraphBlocks(Dataset):
         ctx_pos = np.arange(i * self.block_size, min((i + 1) * self.block_size, self.n))
         # all K stored neighbours: leaky ones are skipped for the next (train graphs)
         nbr_ids = np.asarray(ids[ctx_pos[0]: ctx_pos[-1] + 1], dtype=np.int64)
-        data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.leakage_context)
+        if self.node_features is None:
+            data = build_context_graph(ctx_pos, nbr_ids, self.n_train, self.graph)
+        else:
+            data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.leakage_context)
+            data["nbr"].x = torch.from_numpy(self.node_features(data["nbr"].train_pos.numpy()))
         data["ctx"].x = torch.from_numpy(np.asarray(ctx_feats[ctx_pos], dtype=np.float32))
         data["ctx"].y = torch.from_numpy(np.asarray(targets[ctx_pos], dtype=np.int64))
-        data["nbr"].x = torch.from_numpy(self.node_features(data["nbr"].train_pos.numpy()))
         return data
 
 
@@ -88,12 +103,17 @@ class GraphDataModule(pl.LightningDataModule):
                  leakage_window: Optional[int] = None, batch_size: int = 4,
                  eval_batch_size: int = 8, num_workers: int = 2,
                  train_tokens: Optional[int] = None, eval_tokens: Optional[int] = None,
-                 predict_split: str = "test"):
+                 predict_split: str = "test",
+                 eval_windows: Literal["once", "per_retrieval"] = "once",
+                 eval_ks: Optional[list[int]] = None):
         """``key`` is the node feature and the retrieval key (GNN-LM uses ``final``), ``metric``
         the similarity its neighbours were searched with. ``leakage_window`` (C, how many tokens
         back a train feature has read) defaults to the one the neighbour files were masked with.
         ``graph`` also chooses the inter edges (``inter``). ``train_tokens``/``eval_tokens`` keep
-        split prefixes."""
+        split prefixes. ``eval_windows``: valid/test blocks whose windows the model computes
+        once per retrieved position (``"once"``), or one window per retrieval. ``eval_ks``: the
+        numbers of windows per token ``gnnlm pipeline`` scores valid with after training (the
+        best is reported on test)."""
         super().__init__()
         self.save_hyperparameters()
         self.graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
@@ -102,6 +122,14 @@ class GraphDataModule(pl.LightningDataModule):
             if schedule[0][0] != 0 or schedule[-1][1] != self.graph.k:
                 raise ValueError(f"k_schedule must start at epoch 0 and end with graph.k = "
                                  f"{self.graph.k}, the k evaluation uses (got {k_schedule}).")
+        if eval_windows not in ("once", "per_retrieval"):
+            raise ValueError(f"eval_windows must be 'once' or 'per_retrieval' "
+                             f"(got {eval_windows!r}).")
+        if eval_ks is not None and (not eval_ks or min(eval_ks) < 1):
+            raise ValueError(f"eval_ks must list positive numbers of windows per token "
+                             f"(got {eval_ks}).")
+        # the k of valid/test graphs (None: graph.k); the pipeline sets it from eval_ks
+        self.eval_k: Optional[int] = None
         self.workdir = Workdir(workdir)
         try:
             train_manifest = self.workdir.features_manifest("train")
@@ -113,6 +141,7 @@ class GraphDataModule(pl.LightningDataModule):
                                 f"first.") from err
         self.feature_dim = train_manifest["dim"]
         self.vocab_size = train_manifest["vocab_size"]
+        self.n_train = train_manifest["n"]
 
     # -- pieces ----------------------------------------------------------------------------
     def output_embedding(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -124,8 +153,11 @@ class GraphDataModule(pl.LightningDataModule):
         return RawFeatures(self.workdir.features("train"), self.hparams.key)
 
     def current_k(self, epoch: Optional[int]) -> int:
-        """K for a training epoch (``graph.k`` when ``epoch`` is None: evaluation)."""
-        if epoch is None or not self.hparams.k_schedule:
+        """K for a training epoch (when ``epoch`` is None, evaluation's: ``eval_k`` if set, else
+        ``graph.k``)."""
+        if epoch is None:
+            return self.eval_k or self.graph.k
+        if not self.hparams.k_schedule:
             return self.graph.k
         schedule = sorted(tuple(s) for s in self.hparams.k_schedule)
         return max(s for s in schedule if s[0] <= epoch)[1]
@@ -138,12 +170,16 @@ class GraphDataModule(pl.LightningDataModule):
                 else self.train_neighbors["leakage_window"])
 
     def dataset(self, split: str, k: Optional[int] = None) -> GraphBlocks:
+        """Train blocks with their windows under the leakage rule; valid/test blocks without
+        their windows (``eval_windows="once"``) or with one per retrieval."""
         hp = self.hparams
         graph = dataclasses.replace(self.graph, k=k or self.current_k(None))
-        limit = hp.train_tokens if split == "train" else hp.eval_tokens
-        return GraphBlocks(self.workdir, split, hp.key, hp.metric, self.node_features(),
-                           hp.block_size, graph,
-                           self.leakage_window if split == "train" else None, limit)
+        train = split == "train"
+        with_windows = train or hp.eval_windows == "per_retrieval"
+        return GraphBlocks(self.workdir, split, hp.key, hp.metric,
+                           self.node_features() if with_windows else None, hp.block_size, graph,
+                           self.leakage_window if train else None,
+                           hp.train_tokens if train else hp.eval_tokens)
 
     # -- loaders ---------------------------------------------------------------------------
     def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:

@@ -251,10 +251,11 @@ def _check_head(cfg: PipelineConfig, row: str, paths: list[str], merged: dict) -
             raise ValueError(f"{where} reads the neighbours of data.{name} = {args[name]!r}, but "
                              f"the pipeline searches train neighbours for knn.keys[0] = "
                              f"{cfg.knn.primary!r} under knn.metric = {cfg.knn.metric!r}.")
-    k = max([int((args.get("graph") or {}).get("k") or 0), int(args.get("retrieved") or 0)])
+    k = max([int((args.get("graph") or {}).get("k") or 0), int(args.get("retrieved") or 0),
+             *(int(k) for k in args.get("eval_ks") or [])])
     if k > cfg.neighbors.K:
-        raise ValueError(f"{where} keeps k = {k} neighbours per token but neighbors.K = "
-                         f"{cfg.neighbors.K} are stored.")
+        raise ValueError(f"{where} keeps k = {k} neighbours per token (graph.k, retrieved or "
+                         f"eval_ks) but neighbors.K = {cfg.neighbors.K} are stored.")
     covered = cfg.neighbors.train_queries
     asked = args.get("train_tokens")
     if covered is not None and asked is not None and int(asked) > covered:

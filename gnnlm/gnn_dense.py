@@ -11,6 +11,9 @@ a handful of batched tensor operations on ``ctx`` [B, T, d] and ``nbr`` [B, T, k
 - nbr ← nbr (intra edges): attention of each window node over itself and its two neighbours in
   the window, as three shifted copies.
 
+An evaluation block built without its windows (``gnnlm.graph.build_context_graph``) carries
+``DenseGraph.retrieved`` [B, T, k] instead, and ``gnnlm.window_states`` supplies the windows.
+
 Absent nodes (clipped windows, fewer than k neighbours, nodes dropped for leakage, the padding
 of a short last block) are masked out of every softmax, so the result equals ``GNNLMConv`` on
 the HeteroData the dense layout came from (``to_dense``), to float tolerance. The parameters are
@@ -19,6 +22,7 @@ those of the ``GNNLMConv`` layers: one module, two ways to run it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Union, cast
 
@@ -38,6 +42,7 @@ class DenseGraph:
     center: int                      # the retrieved token's slot in a window (= l)
     inter: str = "window"            # which window nodes send to the context
     ctx_window: Optional[int] = None  # causal edges only from the last ``ctx_window`` tokens
+    retrieved: Optional[Tensor] = None  # [B, T, k] train positions, blocks without windows
 
     def causal_mask(self) -> Tensor:
         """[B, 1, T, T] bool: token i reads token j ≤ i (within the ctx window) that exists."""
@@ -53,17 +58,15 @@ def to_dense(batch, config: GraphConfig, x_key: str = "x") -> tuple[Tensor, Tens
     """A (batched) HeteroData from ``gnnlm.graph.build_graph`` in the regular layout:
     ``(ctx [B, T, d], nbr [B, T, k, w, d], DenseGraph)``. Node features are ``x_key``. The window
     sizes, inter edges and ctx window are ``config``'s; k is the batch's (``nbr.rank`` + 1), so
-    one config serves every step of a k curriculum."""
+    one config serves every step of a k curriculum. A batch of ``build_context_graph`` blocks
+    has no window nodes: its ``ctx.retrieved`` comes back as ``DenseGraph.retrieved``."""
     ctx_store, nbr_store = batch["ctx"], batch["nbr"]
-    ctx_x, nbr_x = ctx_store[x_key], nbr_store[x_key]
+    ctx_x, nbr_x = ctx_store[x_key], nbr_store.get(x_key)
     n_ctx, d = ctx_x.shape
     device = ctx_x.device
     ctx_graph = getattr(ctx_store, "batch", None)
     if ctx_graph is None:  # a single graph
         ctx_graph = torch.zeros(n_ctx, dtype=torch.long, device=device)
-        nbr_graph = torch.zeros(nbr_x.shape[0], dtype=torch.long, device=device)
-    else:
-        nbr_graph = nbr_store.batch
     B = int(ctx_graph.max()) + 1 if n_ctx else 1
     counts = torch.bincount(ctx_graph, minlength=B)                      # [B]
     starts = torch.cumsum(counts, 0) - counts
@@ -74,6 +77,18 @@ def to_dense(batch, config: GraphConfig, x_key: str = "x") -> tuple[Tensor, Tens
     ctx[ctx_graph, local] = ctx_x
     ctx_mask = torch.zeros(B, T, dtype=torch.bool, device=device)
     ctx_mask[ctx_graph, local] = True
+    retrieved = None
+    if "retrieved" in ctx_store:                                         # no window nodes
+        ids = ctx_store.retrieved                                        # [n_ctx, k]
+        retrieved = ids.new_full((B, T, ids.shape[1]), -1)
+        retrieved[ctx_graph, local] = ids
+        nbr = ctx_x.new_zeros(B, T, 0, w, d)
+        return ctx, nbr, DenseGraph(ctx_mask, torch.zeros(nbr.shape[:-1], dtype=torch.bool,
+                                                          device=device),
+                                    config.left, config.inter, config.ctx_window, retrieved)
+    nbr_graph = getattr(nbr_store, "batch", None)
+    if nbr_graph is None:
+        nbr_graph = torch.zeros(nbr_x.shape[0], dtype=torch.long, device=device)
     k = int(nbr_store.rank.max()) + 1 if nbr_x.shape[0] else 1
     nbr = nbr_x.new_zeros(B, T, k, w, d)
     nbr_mask = torch.zeros(B, T, k, w, dtype=torch.bool, device=device)
@@ -88,9 +103,9 @@ def _linear(modules: nn.ModuleDict, node_type: str) -> nn.Linear:
     return cast(nn.Linear, modules[node_type])
 
 
-def _fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+def fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """W^k followed by the head-wise W^ATT (or W^v by W^FEA) as one [d, d] linear map, so that
-    ``F.linear(h, *_fold(W^k, W^ATT))`` is K(s) W^ATT of eq. 2 (and likewise eq. 3)."""
+    ``F.linear(h, *fold(W^k, W^ATT))`` is K(s) W^ATT of eq. 2 (and likewise eq. 3)."""
     H, D, _ = relation.shape
     weight = lin.weight.view(H, D, -1)                                     # [H, D, d]
     folded = torch.einsum("hde,hdi->hei", relation, weight).reshape(H * D, -1)
@@ -124,71 +139,87 @@ def _softmax_attend(scores: Tensor, mask: Tensor, values: Union[Tensor, list[Ten
     return out
 
 
+def _inter_attend(conv: GNNLMConv, q: Tensor, keys: Tensor, feats: Tensor,
+                  graph: DenseGraph) -> tuple[Tensor, Tensor]:
+    """The inter edges, ctx ← nbr (eq. 2–3): each token's attention over its windows' nodes
+    (or retrieved tokens). ``q`` [B, T, H, D]; ``keys``/``feats`` [B, T, k, w', H, D], w' = w,
+    or 1 when only the retrieved tokens were projected. Returns the messages [B, T, H, D] and
+    whether any source reached each token [B, T]."""
+    B, T, H, D = q.shape
+    read = slice(None) if graph.inter == "window" else slice(graph.center, graph.center + 1)
+    sent = read if keys.shape[3] == graph.nbr_mask.shape[3] else slice(None)
+    keys = keys[:, :, :, sent].reshape(B, T, -1, H, D)                    # [B, T, S, H, D]
+    feats = feats[:, :, :, sent].reshape(B, T, -1, H, D)
+    mask = graph.nbr_mask[:, :, :, read].reshape(B, T, -1)                # [B, T, S]
+    scores = (keys * q[:, :, None]).sum(-1) * (conv.mu["__".join(NBR_INTER)] / math.sqrt(D))
+    return _softmax_attend(scores, mask, feats, conv.dropout, conv.training), mask.any(-1)
+
+
+def ctx_update(conv: GNNLMConv, ctx: Tensor, h_ctx: Tensor, graph: DenseGraph,
+               inter: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Tensor:
+    """The ctx nodes' layer output (eq. 1–4): causal attention over the block plus the inter
+    messages, ``inter(q)`` → (messages [B, T, H, D], any source [B, T]) for the queries
+    ``q`` [B, T, H, D]. ``h_ctx`` is ``ctx`` [B, T, d] after the pre-norm."""
+    H, D, d = conv.heads, conv.head_dim, conv.channels
+    B, T = ctx.shape[:2]
+    q, key, feat = _project(h_ctx, [
+        (_linear(conv.q_lin, "ctx").weight, _linear(conv.q_lin, "ctx").bias),
+        fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"]),
+        fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"])], H, D)      # each [B, T, H, D]
+    # ctx ← ctx: causal attention; μ/√d folded into the query, per head
+    scale = (conv.mu["__".join(CTX_INTRA)] / math.sqrt(D))[None, :, None, None]
+    causal = F.scaled_dot_product_attention(
+        q.transpose(1, 2) * scale, key.transpose(1, 2), feat.transpose(1, 2),
+        attn_mask=graph.causal_mask(), dropout_p=conv.dropout if conv.training else 0.0,
+        scale=1.0).transpose(1, 2)                                          # [B, T, H, D]
+    messages, any_source = inter(q)                                         # ctx ← nbr
+    agg = causal + messages
+    if conv.edge_aggr == "mean":  # the self loop always reaches a token
+        agg = agg / (1.0 + any_source.to(agg.dtype))[..., None, None]
+    return conv.residual("ctx", ctx, conv.o_lin["ctx"](agg.reshape(B, T, d)))  # eq. 4, 1
+
+
+def window_update(conv: GNNLMConv, nbr: Tensor, h: Tensor, present: Tensor) -> Tensor:
+    """The window nodes' layer output (eq. 1–4 over the intra edges): each node [..., w, d]
+    over its left neighbour, itself and its right neighbour. ``h`` is ``nbr`` after the
+    pre-norm, ``present`` [..., w] the nodes that exist."""
+    H, D, d = conv.heads, conv.head_dim, conv.channels
+    w = nbr.shape[-2]
+    key, feat, q = _project(h, [fold(_linear(conv.k_lin, "nbr"), conv.w_att["intra"]),
+                                fold(_linear(conv.v_lin, "nbr"), conv.w_fea["intra"]),
+                                (_linear(conv.q_lin, "nbr").weight,
+                                 _linear(conv.q_lin, "nbr").bias)], H, D)  # [..., w, H, D]
+    pad = (0, 0, 0, 0, 1, 1)  # one empty slot on each side of the window axis
+    key, feat = F.pad(key, pad), F.pad(feat, pad)                           # [..., w+2, H, D]
+    padded = F.pad(present, (1, 1))                                         # [..., w+2]
+    scale = conv.mu["__".join(NBR_INTRA)] / math.sqrt(D)
+    scores = torch.stack([(q * key[..., s:s + w, :, :]).sum(-1) * scale
+                          for s in range(3)], dim=-2)                       # [..., w, 3, H]
+    mask = torch.stack([padded[..., s:s + w] for s in range(3)], dim=-1)
+    mask = mask & present[..., None]                                        # [..., w, 3]
+    agg = _softmax_attend(scores, mask, [feat[..., s:s + w, :, :] for s in range(3)],
+                          conv.dropout, conv.training)                      # [..., w, H, D]
+    return conv.residual("nbr", nbr, conv.o_lin["nbr"](agg.reshape(*nbr.shape[:-1], d)))
+
+
 def conv_dense(conv: GNNLMConv, ctx: Tensor, nbr: Tensor, graph: DenseGraph
                ) -> tuple[Tensor, Tensor]:
     """One ``GNNLMConv`` (eq. 1–4) on the dense layout: ``(ctx', nbr')``. ``nbr`` passes
     through unchanged when the layer does not update it (a last layer read out at ``ctx``)."""
-    H, D, d = conv.heads, conv.head_dim, conv.channels
-    B, T = ctx.shape[:2]
-    k, w = nbr.shape[2:4]
+    H, D = conv.heads, conv.head_dim
     h = conv.pre_norm({"ctx": ctx, "nbr": nbr})
-    root = math.sqrt(D)
     update_nbr = "nbr" in conv.out_types
     out_ctx, out_nbr = ctx, nbr
-
-    # window nodes: their keys and values for each relation they send on, and their queries
-    maps = [_fold(_linear(conv.k_lin, "nbr"), conv.w_att["inter"]),
-            _fold(_linear(conv.v_lin, "nbr"), conv.w_fea["inter"])]
-    if update_nbr:
-        maps += [_fold(_linear(conv.k_lin, "nbr"), conv.w_att["intra"]),
-                 _fold(_linear(conv.v_lin, "nbr"), conv.w_fea["intra"]),
-                 (_linear(conv.q_lin, "nbr").weight, _linear(conv.q_lin, "nbr").bias)]
-    # a last layer under inter="retrieved" only reads the retrieved tokens
-    senders = h["nbr"] if update_nbr or graph.inter == "window" else \
-        h["nbr"][:, :, :, graph.center:graph.center + 1]
-    projected = _project(senders, maps, H, D)                   # each [B, T, k, w or 1, H, D]
-
     if "ctx" in conv.out_types:
-        q, key, feat = _project(h["ctx"], [
-            (_linear(conv.q_lin, "ctx").weight, _linear(conv.q_lin, "ctx").bias),
-            _fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"]),
-            _fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"])], H, D)  # each [B, T, H, D]
-        # ctx ← ctx: causal attention; μ/√d folded into the query, per head
-        scale = (conv.mu["__".join(CTX_INTRA)] / root)[None, :, None, None]
-        causal = F.scaled_dot_product_attention(
-            q.transpose(1, 2) * scale, key.transpose(1, 2), feat.transpose(1, 2),
-            attn_mask=graph.causal_mask(), dropout_p=conv.dropout if conv.training else 0.0,
-            scale=1.0).transpose(1, 2)                                      # [B, T, H, D]
-        # ctx ← nbr: each token over its own window nodes (or retrieved tokens)
-        keys, feats = projected[0], projected[1]
-        if graph.inter == "retrieved":
-            c = graph.center if keys.shape[3] == w else 0
-            keys, feats = keys[:, :, :, c], feats[:, :, :, c]               # [B, T, k, H, D]
-            mask = graph.nbr_mask[:, :, :, graph.center]                    # [B, T, k]
-        else:
-            keys, feats = keys.reshape(B, T, k * w, H, D), feats.reshape(B, T, k * w, H, D)
-            mask = graph.nbr_mask.reshape(B, T, k * w)
-        scores = (keys * q[:, :, None]).sum(-1) * (conv.mu["__".join(NBR_INTER)] / root)
-        inter = _softmax_attend(scores, mask, feats, conv.dropout, conv.training)
-        agg = causal + inter
-        if conv.edge_aggr == "mean":  # the self loop always reaches a token
-            agg = agg / (1.0 + mask.any(dim=-1).to(agg.dtype))[..., None, None]
-        update = conv.o_lin["ctx"](agg.reshape(B, T, d))                   # eq. 4
-        out_ctx = conv.residual("ctx", ctx, update)                         # eq. 1
-
+        # the window nodes' inter keys and values (a last layer under inter="retrieved" only
+        # reads the retrieved tokens)
+        senders = h["nbr"] if update_nbr or graph.inter == "window" else \
+            h["nbr"][:, :, :, graph.center:graph.center + 1]
+        keys, feats = _project(senders, [
+            fold(_linear(conv.k_lin, "nbr"), conv.w_att["inter"]),
+            fold(_linear(conv.v_lin, "nbr"), conv.w_fea["inter"])], H, D)  # [B, T, k, w', H, D]
+        out_ctx = ctx_update(conv, ctx, h["ctx"], graph,
+                             lambda q: _inter_attend(conv, q, keys, feats, graph))
     if update_nbr:
-        # nbr ← nbr: each window node over its left neighbour, itself and its right neighbour
-        key, feat, q = projected[2:]                                        # [B, T, k, w, H, D]
-        pad = (0, 0, 0, 0, 1, 1)  # one empty slot on each side of the window axis
-        key, feat = F.pad(key, pad), F.pad(feat, pad)                       # [B, T, k, w+2, H, D]
-        present = F.pad(graph.nbr_mask, (1, 1))                             # [B, T, k, w+2]
-        scale = conv.mu["__".join(NBR_INTRA)] / root
-        scores = torch.stack([(q * key[:, :, :, s:s + w]).sum(-1) * scale
-                              for s in range(3)], dim=-2)                   # [B, T, k, w, 3, H]
-        mask = torch.stack([present[..., s:s + w] for s in range(3)], dim=-1)
-        mask = mask & graph.nbr_mask[..., None]                             # [B, T, k, w, 3]
-        agg = _softmax_attend(scores, mask, [feat[:, :, :, s:s + w] for s in range(3)],
-                              conv.dropout, conv.training)                  # [B, T, k, w, H, D]
-        update = conv.o_lin["nbr"](agg.reshape(B, T, k, w, d))
-        out_nbr = conv.residual("nbr", nbr, update)
+        out_nbr = window_update(conv, nbr, h["nbr"], graph.nbr_mask)
     return out_ctx, out_nbr

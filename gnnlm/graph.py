@@ -32,9 +32,18 @@ mates that fall under it are dropped alone, and only nodes adjacent in position 
 are joined. (With ``ctx_window`` or a single layer the reach is smaller and the rule is
 conservative.)
 
-Datastore positions are plain node attributes (``split_pos``, ``train_pos``): no name contains
-``index`` or ``batch``, which PyG would offset when batching, nor ``pos``, which it treats as
-coordinates. Building is numpy on [T, k, l+r+1] arrays: no loop per token or per neighbour.
+Evaluation can leave the windows out (``build_context_graph``). Edges go nbr → nbr inside one
+window and nbr → ctx, never ctx → nbr, and valid/test graphs drop no node, so at evaluation a
+window node's state at every layer depends only on its retrieved train position p, the node
+features and the trained weights, not on the token that retrieved it. An evaluation block is
+then its ctx nodes, their causal edges and the k positions each token retrieved
+(``ctx.retrieved``); ``gnnlm.window_states`` computes each retrieved window once and every
+token reads it from there, which equals giving every retrieval its own copy.
+
+Datastore positions are plain node attributes (``split_pos``, ``train_pos``, ``retrieved``): no
+name contains ``index`` or ``batch``, which PyG would offset when batching, nor ``pos``, which
+it treats as coordinates. Building is numpy on [T, k, l+r+1] arrays: no loop per token or per
+neighbour.
 """
 from __future__ import annotations
 
@@ -100,6 +109,29 @@ def _edges(src: np.ndarray, dst: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.stack([src, dst]).astype(np.int64))  # [2, E]
 
 
+def _causal_edges(T: int, config: GraphConfig) -> torch.Tensor:
+    """The causal edges ctx → ctx: target i receives from i - d for d = 0 … w-1 (d = 0 is the
+    self loop)."""
+    w = T if config.ctx_window is None else min(config.ctx_window, T)
+    ctx_dst = np.broadcast_to(np.arange(T)[:, None], (T, w))           # [T, w]
+    ctx_src = ctx_dst - np.arange(w)[None, :]                          # [T, w]
+    causal = ctx_src >= 0
+    return _edges(ctx_src[causal], ctx_dst[causal])
+
+
+def _check_block(ctx_pos: np.ndarray, nbr_ids: np.ndarray, n_train: int) -> None:
+    if ctx_pos.ndim != 1:
+        raise ValueError(f"ctx_pos must be 1-D [T] (got shape {ctx_pos.shape}).")
+    T = ctx_pos.shape[0]
+    if nbr_ids.ndim != 2 or nbr_ids.shape[0] != T:
+        raise ValueError(f"nbr_ids must be [T, K] with T = {T} (got shape {nbr_ids.shape}).")
+    if T > 1 and np.any(np.diff(ctx_pos) <= 0):
+        raise ValueError("ctx_pos must increase (the block's tokens in sequence order).")
+    if nbr_ids.size and (nbr_ids.min() < -1 or nbr_ids.max() >= n_train):
+        raise ValueError(f"nbr_ids must lie in [-1, n_train = {n_train}) "
+                         f"(got {nbr_ids.min()} … {nbr_ids.max()}).")
+
+
 def leaky(q: np.ndarray, owner: np.ndarray, ctx_pos: np.ndarray, context: int) -> np.ndarray:
     """bool, per window node: has train position ``q`` (retrieved for ctx row ``owner``) read, or
     is it, the target of a ctx token it can reach, i.e. ∃ i ≥ owner: q − C ≤ ctx_pos[i] ≤ q.
@@ -150,24 +182,10 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     """
     ctx_pos = np.asarray(ctx_pos, dtype=np.int64)
     nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
-    if ctx_pos.ndim != 1:
-        raise ValueError(f"ctx_pos must be 1-D [T] (got shape {ctx_pos.shape}).")
+    _check_block(ctx_pos, nbr_ids, n_train)
     T = ctx_pos.shape[0]
-    if nbr_ids.ndim != 2 or nbr_ids.shape[0] != T:
-        raise ValueError(f"nbr_ids must be [T, K] with T = {T} (got shape {nbr_ids.shape}).")
-    if T > 1 and np.any(np.diff(ctx_pos) <= 0):
-        raise ValueError("ctx_pos must increase (the block's tokens in sequence order).")
     if leakage_context is not None and leakage_context < 0:
         raise ValueError(f"leakage_context must be >= 0 or None (got {leakage_context}).")
-    if nbr_ids.size and (nbr_ids.min() < -1 or nbr_ids.max() >= n_train):
-        raise ValueError(f"nbr_ids must lie in [-1, n_train = {n_train}) "
-                         f"(got {nbr_ids.min()} … {nbr_ids.max()}).")
-
-    # ctx → ctx: target i receives from i - d for d = 0 … w-1 (d = 0 is the self loop)
-    w = T if config.ctx_window is None else min(config.ctx_window, T)
-    ctx_dst = np.broadcast_to(np.arange(T)[:, None], (T, w))           # [T, w]
-    ctx_src = ctx_dst - np.arange(w)[None, :]                          # [T, w]
-    causal = ctx_src >= 0
 
     # the k windows per token: retrieved tokens that leak are skipped for the next ones
     rows = np.arange(T)[:, None]
@@ -208,11 +226,30 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     data["nbr"].offset = torch.from_numpy(offsets[slot])
     data["nbr"].rank = torch.from_numpy(rank.astype(np.int64))
     data["nbr"].owner_local = torch.from_numpy(owner.astype(np.int64))
-    data[CTX_INTRA].edge_index = _edges(ctx_src[causal], ctx_dst[causal])
+    data[CTX_INTRA].edge_index = _causal_edges(T, config)
     data[NBR_INTRA].edge_index = _edges(np.concatenate([loops, left_node, right_node]),
                                         np.concatenate([loops, right_node, left_node]))
     data[NBR_INTER].edge_index = _edges(inter, owner[inter])
     # leakage statistics: retrieved tokens replaced by later neighbours, window mates dropped
     data.windows_masked = windows_masked
     data.nodes_masked = nodes_masked
+    return data
+
+
+def build_context_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig) -> HeteroData:
+    """An evaluation block without its windows: the ctx nodes, their causal edges, and in
+    ``ctx.retrieved`` [T, k] the first ``config.k`` retrieved train positions of each token
+    (-1 = none), whose windows ``gnnlm.window_states`` supplies. The ``nbr`` node type is
+    present and empty, so batches keep ``build_graph``'s schema. Arguments as ``build_graph``
+    (no leakage rule: evaluation graphs only)."""
+    ctx_pos = np.asarray(ctx_pos, dtype=np.int64)
+    nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
+    _check_block(ctx_pos, nbr_ids, n_train)
+    T = ctx_pos.shape[0]
+    data = HeteroData()
+    data["ctx"].num_nodes = T
+    data["ctx"].split_pos = torch.from_numpy(ctx_pos.copy())
+    data["ctx"].retrieved = torch.from_numpy(select_neighbors(nbr_ids, config.k))  # [T, k]
+    data["nbr"].num_nodes = 0
+    data[CTX_INTRA].edge_index = _causal_edges(T, config)
     return data

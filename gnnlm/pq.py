@@ -15,6 +15,7 @@ from typing import Optional
 
 import faiss
 import numpy as np
+import torch
 
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.datastore import check_key, open_features
@@ -133,4 +134,7 @@ class RawFeatures:
         self.values = open_features(self.features_dir)[1][self.key]
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
-        return np.asarray(self.values[positions], dtype=np.float32)
+        # np.take on a plain ndarray view, float16 -> float32 in torch (vectorised): through
+        # the memmap subclass and numpy's conversion, 400k rows took several times longer
+        rows = np.take(self.values.view(np.ndarray), positions, axis=0)
+        return torch.from_numpy(rows).float().numpy()

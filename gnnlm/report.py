@@ -122,6 +122,13 @@ def _markdown(results: dict) -> str:
             lines.append(f"| [{r['recall_range'][0]}, {r['recall_range'][1]}] | {r['tokens']} | "
                          f"{r['base_logprob']:.2f} | {r['model_logprob']:.2f} | "
                          f"{r['absolute_improvement']:.2f} | {r['relative_improvement']:.0%} |")
+    if results.get("gnn_eval_k"):
+        curve = results["gnn_eval_k"]
+        lines += ["", f"GNN-LM valid ppl by the number of windows each token reads at "
+                      f"evaluation (chosen: k = {curve['chosen']}, reported on test):", "",
+                  "| k | valid ppl | seconds |", "|---:|---:|---:|"]
+        lines += [f"| {k} | {ppl:.2f} | {curve['seconds'][k]} |"
+                  for k, ppl in curve["valid_ppl"].items()]
     lines += spalm_markdown(results.get("spalm_xl_analysis"), row_name("spalm_xl"))
     lines += _ablation_markdown(results.get("ablations"))
     lines += ["", "Retrieval:", ""]
@@ -221,6 +228,8 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
             results[f"{head}_gate"] = heads[head]["gate"]
             plot_gate_histogram(heads[head]["gate"]["histogram"], out / f"{head}_gate_hist.png",
                                 f"{row_name(head)}: gate values on test")
+    if "gnn" in heads and "eval_k" in heads["gnn"]:  # valid ppl by the windows read per token
+        results["gnn_eval_k"] = heads["gnn"]["eval_k"]
     if "gnn" in heads:  # the leakage rule's share of train-graph windows and nodes
         results["gnn_leakage"] = {name.split("/")[1]: value
                                   for name, value in heads["gnn"].get("metrics", {}).items()

@@ -17,6 +17,8 @@ import torch
 
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.checkpoints import datamodule_args, load_checkpoint
+from gnnlm.metrics import ppl_from_logprobs
+from gnnlm.progress import say
 from gnnlm.workdir import EVAL_SPLITS, Workdir
 
 
@@ -50,10 +52,17 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
         extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
                  "metrics": metrics, "model_class": type(cli.model).__name__}
         if predict:  # heads: per-token scores on exactly the report's tokens
+            scores = {}
+            if (cli.datamodule.hparams.get("eval_ks") or None) is not None:
+                extra["eval_k"], scores["valid"] = choose_eval_k(
+                    cli.model, cli.datamodule, workdir.n_positions("valid"),
+                    cli.trainer.precision)
             for split in EVAL_SPLITS:
                 n = workdir.n_positions(split)
-                builder.array(f"{split}_logprob", np.float32, (n,))[...] = predict_logprobs(
-                    cli.model, cli.datamodule, split, n, cli.trainer.precision)
+                if split not in scores:
+                    scores[split] = predict_logprobs(cli.model, cli.datamodule, split, n,
+                                                     cli.trainer.precision)
+                builder.array(f"{split}_logprob", np.float32, (n,))[...] = scores[split]
             extra.update(predict_extras(cli.model))
             for array, values in getattr(cli.model, "predict_arrays", dict)().items():
                 builder.array(array, values.dtype, values.shape)[...] = values  # e.g. gates
@@ -86,6 +95,31 @@ def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32
                            f"of the {n} exactly once: the evaluation data module must partition "
                            f"the split (no eval_tokens limit for reports).")
     return logprob
+
+
+def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
+                  ) -> tuple[dict, np.ndarray]:
+    """Score valid with each of the data module's ``eval_ks`` windows per token and keep the
+    best, as kNN-LM's k is chosen on valid (GNN-LM's k is a property of the graph, not of the
+    weights: a model trained with k windows reads any number). Sets ``datamodule.eval_k`` to it
+    and returns ``({"valid_ppl": {k: ppl}, "seconds": {k: s}, "chosen": k}, valid log p at the
+    chosen k)``."""
+    curve, seconds, best = {}, {}, None
+    for k in sorted(set(datamodule.hparams.eval_ks)):
+        datamodule.eval_k = k
+        t0 = time.perf_counter()
+        logprob = predict_logprobs(model, datamodule, "valid", n_valid, precision)
+        seconds[k] = round(time.perf_counter() - t0, 2)
+        curve[k] = ppl_from_logprobs(logprob)
+        if best is None or curve[k] < curve[best[0]]:
+            best = (k, logprob)
+    assert best is not None
+    datamodule.eval_k = best[0]
+    say("[gnnlm] valid ppl by evaluation k: " + ", ".join(
+        f"{k}: {ppl:.2f} ({seconds[k]:.0f} s)" for k, ppl in curve.items())
+        + f"; chosen k = {best[0]}")
+    return ({"valid_ppl": {str(k): v for k, v in curve.items()},
+             "seconds": {str(k): v for k, v in seconds.items()}, "chosen": best[0]}, best[1])
 
 
 def predict_extras(model) -> dict:

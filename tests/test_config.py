@@ -48,10 +48,11 @@ def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
            "configs/wikitext2/gnnlm_cpu.yaml", str(overlay)]
     with pytest.raises(ValueError, match=r"data.metric = 'l2'.*knn.metric = 'cos'"):
         load_config([*CPU, f"--gnn.config={gnn}"])
-    with pytest.raises(ValueError, match=r"train_tokens = 250000 positions but only the first "
+    with pytest.raises(ValueError, match=r"train_tokens = 400000 positions but only the first "
                                          r"neighbors.train_queries = 5000"):
         load_config([*CPU, "--neighbors.train_queries=5000"])
-    with pytest.raises(ValueError, match=r"keeps k = 16 neighbours per token but neighbors.K = 4"):
+    with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(graph.k, "
+                                         r"retrieved or eval_ks\) but neighbors.K = 4"):
         load_config([*CPU, "--neighbors.K=4", "--knn.ks=[4]"])
 
 

@@ -132,13 +132,36 @@ def test_feature_data_refuses_more_values_than_retrieved_and_missing_work(work, 
 
 
 # -- GraphDataModule ---------------------------------------------------------------------------
+def test_evaluation_blocks_name_their_windows_by_position(work):
+    from datamodules.graph import GraphDataModule
+
+    wd, data, _ = work
+    dm = GraphDataModule(workdir=str(wd.root), block_size=40, graph=GraphConfig(k=3),
+                         eval_batch_size=3, num_workers=0)
+    assert dm.n_train == SIZES["train"]
+    for split, loader in (("valid", dm.val_dataloader()), ("test", dm.test_dataloader())):
+        final, targets = data[split]
+        ids = np.asarray(open_array(wd.neighbors("final", "cos", split), "ids"))
+        positions = []
+        for batch in loader:
+            ctx = batch["ctx"]
+            split_pos = ctx.split_pos.numpy()
+            positions.append(split_pos)
+            assert batch["nbr"].num_nodes == 0                        # no window nodes
+            np.testing.assert_array_equal(ctx.y.numpy(), targets[split_pos])
+            np.testing.assert_array_equal(ctx.x.numpy(),
+                                          final[split_pos].astype(np.float16).astype(np.float32))
+            np.testing.assert_array_equal(ctx.retrieved.numpy(), ids[split_pos, :3])
+        np.testing.assert_array_equal(np.concatenate(positions), np.arange(SIZES[split]))
+
+
 def test_graph_loaders_partition_every_split(work):
     from datamodules.graph import GraphDataModule
 
     wd, data, _ = work
     dm = GraphDataModule(workdir=str(wd.root), key="final", metric="cos", node_features="pq",
                          block_size=40, graph=GraphConfig(k=3), batch_size=2, eval_batch_size=3,
-                         num_workers=0)
+                         num_workers=0, eval_windows="per_retrieval")
     assert (dm.feature_dim, dm.vocab_size, dm.leakage_window) == (D, V, W)
     pq = PQFeatures(wd.pq("final"))
     loaders = {"train": dm.train_dataloader(), "valid": dm.val_dataloader(),
@@ -197,6 +220,9 @@ def test_k_schedule_picks_k_per_epoch(work):
         ranks = torch.cat([b["nbr"].rank for b in loader])
         assert ranks.max().item() == k - 1
     assert dm.val_dataloader().dataset.graph.k == 6
+    dm.eval_k = 4                                                     # a trained model reads any k
+    assert dm.val_dataloader().dataset.graph.k == 4
+    assert dm.train_dataloader().dataset.graph.k == 6
 
 
 def test_graph_data_refuses_bad_schedules_and_k(work):
@@ -210,6 +236,10 @@ def test_graph_data_refuses_bad_schedules_and_k(work):
     dm = GraphDataModule(workdir=str(wd.root), graph=GraphConfig(k=K + 1), num_workers=0)
     with pytest.raises(ValueError, match=rf"k={K + 1} .* only K={K}"):
         dm.val_dataloader()
+    with pytest.raises(ValueError, match="eval_windows must be"):
+        GraphDataModule(workdir=str(wd.root), eval_windows="shared")
+    with pytest.raises(ValueError, match="eval_ks must list"):
+        GraphDataModule(workdir=str(wd.root), eval_ks=[0, 8])
 
 
 # -- LMDataModule windows ----------------------------------------------------------------------

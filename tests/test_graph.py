@@ -13,6 +13,7 @@ from gnnlm.graph import (
     NBR_INTRA,
     NODE_TYPES,
     GraphConfig,
+    build_context_graph,
     build_graph,
     graph_sizes,
     leaky,
@@ -223,6 +224,21 @@ def test_no_neighbours_gives_an_empty_nbr_set_that_batches():
     assert batch["nbr"].num_nodes == 13 and batch["ctx"].num_nodes == 5
     assert batch[NBR_INTER].edge_index[1].min().item() == 2  # owners moved past the empty block
     assert batch["nbr"].batch.tolist() == [1] * 13
+
+
+def test_context_graph_names_the_windows_by_position():
+    cfg = GraphConfig(left=1, right=1, k=2)
+    data = build_context_graph(CTX_POS, NBR_IDS, N_TRAIN, cfg)
+    assert data["ctx"].retrieved.tolist() == [[5, 0], [19, -1], [7, 8]]
+    assert data["nbr"].num_nodes == 0
+    # the same causal edges as the block with its windows
+    assert edge_set(data, CTX_INTRA) == edge_set(build_graph(CTX_POS, NBR_IDS, N_TRAIN, cfg),
+                                                 CTX_INTRA)
+    batch = Batch.from_data_list([data, data])
+    assert batch["ctx"].retrieved.shape == (6, 2)                     # positions are not offset
+    assert batch["ctx"].retrieved[3:].tolist() == [[5, 0], [19, -1], [7, 8]]
+    with pytest.raises(ValueError, match=r"\(got"):
+        build_context_graph(CTX_POS, NBR_IDS, 19, cfg)
 
 
 def test_bad_arguments():

@@ -10,9 +10,16 @@ checkpoints; ``attach_output_embedding`` sets it when the module is used outside
 by message passing over the edges (``GNNLMConv.forward``); both compute the same function with
 the same weights. The window sizes, inter edges and ctx window of that layout are the data
 module's ``graph``, taken at ``setup`` (or given with ``graph``).
+
+Evaluation blocks that name their windows by position (``ctx.retrieved``, the data module's
+``eval_windows="once"``) are read through ``gnnlm.window_states.WindowStates``: each retrieved
+window is computed once, for every token and every evaluation that retrieves it while the
+weights stay the same. Its node features come from the data module at ``setup``
+(``attach_node_features`` outside a Trainer).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Optional
 
 import torch
@@ -23,6 +30,7 @@ from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA, GraphConfig
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.metrics import target_nll
+from gnnlm.window_states import NodeFeatures, WindowStates
 
 
 class GNNLM(TokenLevelModule):
@@ -49,12 +57,34 @@ class GNNLM(TokenLevelModule):
                             dropout=dropout, norm=norm, edge_aggr=edge_aggr, kind=kind,
                             zero_init_output=zero_init_output, readout=("ctx",))
         self.graph: Optional[GraphConfig] = None
+        self._node_features: Optional[tuple[NodeFeatures, int]] = None
+        self._window_states: Optional[WindowStates] = None
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         datamodule = self.trainer.datamodule if self.trainer is not None else None
         if self.graph is None and datamodule is not None:
             self.graph = datamodule.graph
+        if self._node_features is None and hasattr(datamodule, "node_features"):
+            self.attach_node_features(datamodule.node_features(), datamodule.n_train)
+
+    def attach_node_features(self, node_features: NodeFeatures, n_train: int) -> None:
+        """The train node features (positions → float32 [n, d]) and the train split's size,
+        which window states read for evaluation blocks without window nodes."""
+        self._node_features = (node_features, n_train)
+        self._window_states = None
+
+    def window_states(self) -> WindowStates:
+        """The window-state table of this model's GNN for the current graph layout."""
+        if self._node_features is None or self.graph is None:
+            raise RuntimeError("Evaluation blocks without window nodes need the node features "
+                               "and the graph layout: evaluate with a GraphDataModule, or call "
+                               "attach_node_features(...) and set model.graph.")
+        states = self._window_states
+        if states is None or states.config != dataclasses.replace(self.graph, k=states.config.k):
+            states = WindowStates(self.gnn, *self._node_features, self.graph)
+            self._window_states = states
+        return states
 
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
@@ -63,7 +93,13 @@ class GNNLM(TokenLevelModule):
                 raise RuntimeError("The dense path needs the graphs' layout: train with a "
                                    "GraphDataModule, or set model.graph = its GraphConfig.")
             ctx, nbr, layout = to_dense(batch, self.graph)
-            h = self.gnn.forward_dense(ctx, nbr, layout)[0][layout.ctx_mask]  # [n_ctx, d]
+            if layout.retrieved is not None:  # evaluation: each retrieved window once
+                h = self.window_states()(ctx, layout)[layout.ctx_mask]       # [n_ctx, d]
+            else:
+                h = self.gnn.forward_dense(ctx, nbr, layout)[0][layout.ctx_mask]
+        elif "retrieved" in batch["ctx"]:
+            raise ValueError("impl='pyg' passes messages over window nodes: evaluate with the "
+                             "data module's eval_windows='per_retrieval'.")
         else:
             h = self.gnn(batch.x_dict, batch.edge_index_dict)["ctx"]       # [n_ctx, d]
         with torch.autocast(h.device.type, enabled=False):  # the softmax stays in float32
