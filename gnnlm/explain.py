@@ -3,15 +3,29 @@
 The base LM encodes the text; the feature of its last token (the one that predicts the next
 word) queries the pipeline's index; each retrieved train position p is shown as the train text
 around it with its value — the token that followed it, which kNN-LM would predict — in brackets.
+When the pipeline trained a GNN-LM, its next-token prediction is shown beside the base LM's:
+every position of the text retrieves its windows and the GNN reads them as at evaluation
+(``gnnlm.window_states``, each window computed once), at the k chosen on valid.
 """
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+from typing import Optional
 
-from gnnlm.datastore import encode_text_positions, open_features
+import numpy as np
+import torch
+
+from gnnlm.artifacts import read_manifest
+from gnnlm.checkpoints import datamodule_args, load_checkpoint, model_state
+from gnnlm.datastore import encode_text_positions, load_output_embedding, open_features
+from gnnlm.gnn_dense import DenseGraph
+from gnnlm.gnn_layer import GNNStack
+from gnnlm.graph import METADATA, GraphConfig
 from gnnlm.models import load_base_lm
+from gnnlm.pq import PQFeatures, RawFeatures
 from gnnlm.search import Searcher
 from gnnlm.tokens import TokenStore
+from gnnlm.window_states import WindowStates
 from gnnlm.workdir import Workdir
 
 
@@ -20,11 +34,7 @@ def retrieved_contexts(workdir: Workdir, key: str, metric: str, base_lm: str, te
     """Top ``top`` neighbours of the text's last position, with their train contexts."""
     store = TokenStore.open(workdir.tokens)
     tokenizer = store.tokenizer
-    ids = tokenizer.encode(text)
-    if len(ids) and store.level == "word" and tokenizer.tokens(ids[-1:]) == ["<eos>"]:
-        ids = ids[:-1]  # the word tokenizer ends every line with <eos>; the query is mid-line
-    if len(ids) == 0:
-        raise ValueError("explain needs a non-empty --text.")
+    ids = _text_ids(store, text)
     model = load_base_lm(base_lm)
     searcher = Searcher.for_workdir(workdir, key, metric)
     _, train = open_features(workdir.features("train"), expect_lm=model.identity())
@@ -41,6 +51,67 @@ def retrieved_contexts(workdir: Workdir, key: str, metric: str, base_lm: str, te
         rows.append({"position": int(p), "similarity": float(sim), "value": value,
                      "context": f"{before.rstrip()} [{value}] {after}".strip()})
     return rows
+
+
+def next_token_predictions(workdir: Workdir, key: str, metric: str, base_lm: str, text: str,
+                           top: int = 5) -> Optional[dict]:
+    """The base LM's and the trained GNN-LM's ``top`` next tokens after ``text``, with their
+    probabilities, or None when the work directory has no trained GNN-LM head."""
+    head = workdir.head("gnn")
+    if not (head / "manifest.json").is_file():
+        return None
+    manifest = read_manifest(head)
+    checkpoint = load_checkpoint(head / manifest["ckpt"])
+    hp = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
+    if hp.get("kind", "gnnlm") != "gnnlm":
+        return None  # the HGT baseline has no window states
+    data = datamodule_args(head / manifest["ckpt"])
+    graph = data.get("graph") or GraphConfig()
+    graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
+    k = (manifest.get("eval_k") or {}).get("chosen", graph.k)
+    graph = dataclasses.replace(graph, k=k)
+    stack = GNNStack(hp["feature_dim"], METADATA, num_layers=hp.get("num_layers", 3),
+                     heads=hp.get("heads", 4), norm=hp.get("norm", "none"),
+                     edge_aggr=hp.get("edge_aggr", "sum"), readout=("ctx",))
+    stack.load_state_dict(model_state(checkpoint, "gnn."))
+    stack.eval()
+
+    store = TokenStore.open(workdir.tokens)
+    ids = _text_ids(store, text)
+    model = load_base_lm(base_lm)
+    node_key = data.get("key", key)
+    feats = encode_text_positions(model, ids, store.bos_id)[node_key][1:]  # [n, d], row t → t+1
+    feats = feats[-int(data.get("block_size", 64)):]                       # one block
+    _, retrieved = Searcher.for_workdir(workdir, node_key, metric).search(feats, k)
+    node_features = (RawFeatures(workdir.features("train"), node_key)
+                     if data.get("node_features", "pq") == "raw"
+                     else PQFeatures(workdir.pq(node_key)))
+    states = WindowStates(stack, node_features, workdir.n_positions("train"), graph)
+    n = feats.shape[0]
+    layout = DenseGraph(torch.ones(1, n, dtype=torch.bool),
+                        torch.zeros(1, n, 0, 1, dtype=torch.bool), graph.left, graph.inter,
+                        graph.ctx_window,
+                        torch.from_numpy(retrieved.astype(np.int64))[None])
+    weight, bias = load_output_embedding(workdir)
+    with torch.no_grad():
+        h = {"base LM": torch.from_numpy(feats[-1]),
+             f"GNN-LM (k = {k})": states(torch.from_numpy(feats)[None], layout)[0, -1]}
+        rows = {}
+        for name, hidden in h.items():
+            logits = torch.nn.functional.linear(hidden.float(), weight.float(), bias)
+            probs, tokens = torch.softmax(logits, -1).topk(top)
+            rows[name] = [(store.tokenizer.decode([int(t)]).strip(), float(p))
+                          for p, t in zip(probs, tokens)]
+    return rows
+
+
+def _text_ids(store: TokenStore, text: str) -> np.ndarray:
+    ids = store.tokenizer.encode(text)
+    if len(ids) and store.level == "word" and store.tokenizer.tokens(ids[-1:]) == ["<eos>"]:
+        ids = ids[:-1]  # the word tokenizer ends every line with <eos>; the query is mid-line
+    if len(ids) == 0:
+        raise ValueError("explain needs a non-empty --text.")
+    return np.asarray(ids)
 
 
 def main(args: list[str]) -> list[dict]:
@@ -60,4 +131,7 @@ def main(args: list[str]) -> list[dict]:
     print(f"Input: {text}")
     for i, row in enumerate(rows, 1):
         print(f"Extracted {i} (sim {row['similarity']:.3f}): {row['context']}")
+    predictions = next_token_predictions(workdir, cfg.knn.primary, cfg.knn.metric, base_lm, text)
+    for name, tokens in (predictions or {}).items():
+        print(f"Next token, {name}: " + ", ".join(f"{t} ({p:.3f})" for t, p in tokens))
     return rows

@@ -17,10 +17,12 @@ b Σ_s att_s, so the value map is applied once to the aggregate. The numbers equ
 
 What is kept, per train position p and layer ℓ = 1 … L−1: the pre-normed inputs of the window's
 w nodes (of the retrieved node alone under ``inter="retrieved"``), float32, so (L−1)·w·d·4 bytes
-per position (3 KiB for 3 layers, l = r = 1, d = 128); layer 0 reads the node features. The
-table spans the train split and its rows are filled as positions are first retrieved (on a CPU,
-rows never filled take no memory). Weights that change (a training step, a loaded checkpoint,
-a move to another device) empty it before the next read.
+per position (3 KiB for 3 layers, l = r = 1, d = 128; 12 KiB at d = 512), plus a row number per
+train position (8 bytes); layer 0 reads the node features. Rows are taken in the order positions
+are first retrieved, up to ``max_windows`` (default: every train position; on a CPU, rows never
+taken take no memory); a batch that would overflow it empties the table and starts again, so
+memory stays bounded and the numbers stay exact. Weights that change (a training step, a
+loaded checkpoint, a move to another device) empty it before the next read.
 """
 from __future__ import annotations
 
@@ -49,24 +51,30 @@ class WindowStates:
             ``PQFeatures``), as the graphs the stack was trained on read them.
         n_train: the train split's size (windows are clipped to it).
         config: the window sizes and inter edges of those graphs.
+        max_windows: the most windows kept (default: ``n_train``, every train position).
         windows_per_step: windows computed at once when filling (bounds the memory of a fill).
     """
 
     def __init__(self, stack: GNNStack, node_features: NodeFeatures, n_train: int,
-                 config: GraphConfig, windows_per_step: int = 16384):
+                 config: GraphConfig, max_windows: Optional[int] = None,
+                 windows_per_step: int = 16384):
         if stack.kind != "gnnlm":
             raise ValueError(f"window states are GNNLMConv layers' (got kind={stack.kind!r}).")
         self.stack, self.node_features, self.n_train = stack, node_features, n_train
         self.config, self.windows_per_step = config, windows_per_step
+        self.max_windows = n_train if max_windows is None else max_windows
+        if self.max_windows < 1:
+            raise ValueError(f"max_windows must be at least 1 (got {max_windows}).")
         self.layers = [cast(GNNLMConv, layer) for layer in stack.layers]
         self.offsets = torch.arange(-config.left, config.right + 1)         # [w]
         # the window slots the context reads: all, or the retrieved token's
         self.slots = slice(None) if config.inter == "window" else \
             slice(config.left, config.left + 1)
-        self._table: Optional[Tensor] = None   # [L-1, n_train + 1, w', d]; row n_train: none
-        self._filled: Optional[Tensor] = None  # [n_train] bool
+        self._table: Optional[Tensor] = None  # [L-1, 1 + max_windows, w', d]; row 0: no window
+        self._row: Optional[Tensor] = None    # [n_train + 1] position -> row (0: not kept)
+        self._used = 0                        # rows taken
         self._weights: Optional[tuple] = None  # what the table was computed from
-        self.computed = 0                      # windows computed since the table was emptied
+        self.computed = 0                     # windows computed since the weights changed
 
     # -- the table ------------------------------------------------------------------------
     def _weights_key(self, device: torch.device) -> tuple:
@@ -75,8 +83,8 @@ class WindowStates:
         return (str(device),) + tuple((p.data_ptr(), p._version) for p in self.stack.parameters())
 
     def clear(self) -> None:
-        self._table = self._filled = self._weights = None
-        self.computed = 0
+        self._table = self._row = self._weights = None
+        self._used = self.computed = 0
 
     def _ensure_table(self, device: torch.device) -> tuple[Tensor, Tensor]:
         key = self._weights_key(device)
@@ -84,13 +92,13 @@ class WindowStates:
             self.clear()
             d, w = self.layers[0].channels, len(self.offsets[self.slots])
             # one table per layer, rows of whole windows: reading is a row gather
-            self._table = torch.empty(max(len(self.layers) - 1, 0), self.n_train + 1, w, d,
+            self._table = torch.empty(max(len(self.layers) - 1, 0), 1 + self.max_windows, w, d,
                                       device=device, dtype=self._dtype())
-            self._table[:, self.n_train] = 0.0  # what a missing neighbour (-1) reads
-            self._filled = torch.zeros(self.n_train, dtype=torch.bool, device=device)
+            self._table[:, 0] = 0.0  # what a missing neighbour (-1) reads
+            self._row = torch.zeros(self.n_train + 1, dtype=torch.long, device=device)
             self._weights = key
-        assert self._table is not None and self._filled is not None
-        return self._table, self._filled
+        assert self._table is not None and self._row is not None
+        return self._table, self._row
 
     def _window_inputs(self, positions: Tensor, slots: slice = slice(None)
                        ) -> tuple[Tensor, Tensor]:
@@ -107,15 +115,16 @@ class WindowStates:
         return next(self.stack.parameters()).dtype  # float32 (float64 in reference tests)
 
     @torch.no_grad()
-    def _fill(self, positions: Tensor, table: Tensor) -> None:
-        """Compute the windows of ``positions`` [U] (distinct) through layers 0 … L−2."""
+    def _fill(self, positions: Tensor, rows: Tensor, table: Tensor) -> None:
+        """Compute the windows of ``positions`` [U] (distinct) through layers 0 … L−2 into
+        table ``rows`` [U]."""
         for start in range(0, positions.shape[0], self.windows_per_step):
             part = positions[start:start + self.windows_per_step]
             h, present = self._window_inputs(part)                          # [u, w, d]
             for layer, (conv, following) in enumerate(zip(self.layers, self.layers[1:])):
                 h = window_update(conv, h, conv.pre_norm({"nbr": h})["nbr"], present)
-                table[layer].index_copy_(0, part, following.pre_norm({"nbr": h})["nbr"][
-                    :, self.slots].contiguous())
+                table[layer].index_copy_(0, rows[start:start + len(part)], following.pre_norm(
+                    {"nbr": h})["nbr"][:, self.slots].contiguous())
             self.computed += part.shape[0]
 
     def prepare(self, retrieved: Tensor) -> None:
@@ -126,30 +135,40 @@ class WindowStates:
                                "change at every step (call model.eval() first).")
         if len(self.layers) == 1:  # one layer reads the node features alone
             return
-        table, filled = self._ensure_table(retrieved.device)
-        positions = torch.unique(retrieved[retrieved >= 0])
-        missing = positions[~filled[positions]]
+        table, row = self._ensure_table(retrieved.device)
+        positions = torch.unique(retrieved[retrieved >= 0])                  # sorted
+        if positions.numel() > self.max_windows:
+            raise ValueError(f"A batch retrieves {positions.numel()} distinct windows but the "
+                             f"window states keep at most max_windows = {self.max_windows}: "
+                             f"raise it or evaluate smaller batches.")
+        missing = positions[row[positions] == 0]
+        if self._used + missing.numel() > self.max_windows:  # full: start again
+            row.zero_()
+            self._used, missing = 0, positions
         if missing.numel():
-            self._fill(missing, table)
-            filled[missing] = True
+            rows = torch.arange(self._used + 1, self._used + 1 + missing.numel(),
+                                device=row.device)
+            self._fill(missing, rows, table)
+            row[missing] = rows
+            self._used += missing.numel()
 
     def read(self, retrieved: Tensor) -> tuple[Callable[[int], Tensor], Tensor, Tensor]:
         """What the layers read of the windows of ``retrieved`` [B, T, k]: a function of the
         layer → the pre-normed node states of the distinct windows ``[U, w', d]``, which window
         each retrieval reads ``[B, T, k]`` (an index into U), and which nodes exist
-        ``[B, T, k·w']``. The table is read once per distinct position, in position order (a
-        sorted gather is several times faster than one in token order)."""
+        ``[B, T, k·w']``. The table is read once per distinct window, in row order (a sorted
+        gather is several times faster than one in token order)."""
         B, T, k = retrieved.shape
         q = retrieved[..., None] + self.offsets[self.slots].to(retrieved.device)  # [B, T, k, w']
         present = (retrieved[..., None] >= 0) & (q >= 0) & (q < self.n_train)
-        rows = torch.where(retrieved >= 0, retrieved, self.n_train)
-        distinct, inverse = torch.unique(rows, return_inverse=True)          # sorted
+        positions = torch.where(retrieved >= 0, retrieved, self.n_train)
+        distinct, inverse = torch.unique(positions, return_inverse=True)      # sorted
 
         def states(layer: int) -> Tensor:
             if layer > 0:
-                assert self._table is not None
-                return self._table[layer - 1].index_select(0, distinct)       # [U, w', d]
-            # the node features (the none row, n_train, reads a clamped row: masked out)
+                assert self._table is not None and self._row is not None
+                return self._table[layer - 1].index_select(0, self._row[distinct])  # [U, w', d]
+            # the node features (position n_train, no window, reads a clamped row: masked out)
             x, _ = self._window_inputs(distinct, self.slots)                  # [U, w', d]
             return self.layers[0].pre_norm({"nbr": x})["nbr"]
 

@@ -235,6 +235,10 @@ def test_rerun_skips_every_stage_and_sweep_and_explain_work(run_dir, workdir, re
     explained = run_gnnlm(["explain", *PIPELINE, "--text", "The game was released in",
                            "--top", "2"], run_dir).stdout
     assert explained.count("Extracted") == 2 and "[" in explained
+    # the trained GNN-LM's next tokens, read through its window states at the chosen k
+    chosen = results["gnn_eval_k"]["chosen"]
+    assert "Next token, base LM: " in explained
+    assert f"Next token, GNN-LM (k = {chosen}): " in explained
 
 
 def test_a_moved_work_directory_is_reused_and_rebuild_rebuilds_what_it_names(run_dir, workdir):

@@ -17,7 +17,7 @@ from torch_geometric.data import Batch
 
 from gnnlm.artifacts import open_array, read_manifest
 from gnnlm.checkpoints import load_checkpoint
-from gnnlm.gnn_dense import to_dense
+from gnnlm.gnn_dense import DenseGraph, to_dense
 from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA, GraphConfig, build_context_graph, build_graph
 from gnnlm.lit.gnn import GNNLM
@@ -95,6 +95,26 @@ def test_the_table_is_reused_and_emptied_when_the_weights_change():
     assert states.computed == computed and not torch.allclose(changed, first)
     fresh = WindowStates(stack, features_of(train), N_TRAIN, cfg)
     torch.testing.assert_close(changed, fresh(ctx, graph), rtol=0, atol=0)
+
+
+def test_a_full_table_starts_again_with_the_same_numbers():
+    cfg = GraphConfig(k=4)
+    _, context, train = blocks(cfg, seed=2)
+    stack = stack_for()
+    ctx, _, graph = to_dense(context, cfg)
+    want = WindowStates(stack, features_of(train), N_TRAIN, cfg)(ctx, graph)
+    distinct = len(np.unique(context["ctx"].retrieved[context["ctx"].retrieved >= 0]))
+    small = WindowStates(stack, features_of(train), N_TRAIN, cfg, max_windows=distinct)
+    for block in range(3):  # one block at a time: the table fills, then starts again
+        one = DenseGraph(graph.ctx_mask[block:block + 1], graph.nbr_mask[block:block + 1],
+                         graph.center, graph.inter, graph.ctx_window,
+                         graph.retrieved[block:block + 1])
+        small(ctx[block:block + 1], one)
+    torch.testing.assert_close(small(ctx, graph), want, rtol=1e-12, atol=1e-12)
+    assert small.computed > distinct                                  # it did start again
+    with pytest.raises(ValueError, match=f"retrieves {distinct} distinct windows but"):
+        WindowStates(stack, features_of(train), N_TRAIN, cfg, max_windows=distinct - 1)(ctx,
+                                                                                     graph)
 
 
 def test_window_states_refuse_training_and_blocks_with_windows():
