@@ -103,18 +103,19 @@ def test_a_full_table_starts_again_with_the_same_numbers():
     stack = stack_for()
     ctx, _, graph = to_dense(context, cfg)
     want = WindowStates(stack, features_of(train), N_TRAIN, cfg)(ctx, graph)
-    distinct = len(np.unique(context["ctx"].retrieved[context["ctx"].retrieved >= 0]))
-    small = WindowStates(stack, features_of(train), N_TRAIN, cfg, max_windows=distinct)
-    for block in range(3):  # one block at a time: the table fills, then starts again
+    retrieved = graph.retrieved
+    per_block = [len(torch.unique(r[r >= 0])) for r in retrieved]
+    distinct = len(torch.unique(retrieved[retrieved >= 0]))
+    small = WindowStates(stack, features_of(train), N_TRAIN, cfg, max_windows=max(per_block))
+    assert max(per_block) < distinct
+    for block in (0, 1, 2, 0):  # one block at a time: the table fills, then starts again
         one = DenseGraph(graph.ctx_mask[block:block + 1], graph.nbr_mask[block:block + 1],
-                         graph.center, graph.inter, graph.ctx_window,
-                         graph.retrieved[block:block + 1])
-        small(ctx[block:block + 1], one)
-    torch.testing.assert_close(small(ctx, graph), want, rtol=1e-12, atol=1e-12)
+                         graph.center, graph.inter, graph.ctx_window, retrieved[block:block + 1])
+        torch.testing.assert_close(small(ctx[block:block + 1], one), want[block:block + 1],
+                                   rtol=1e-12, atol=1e-12)
     assert small.computed > distinct                                  # it did start again
     with pytest.raises(ValueError, match=f"retrieves {distinct} distinct windows but"):
-        WindowStates(stack, features_of(train), N_TRAIN, cfg, max_windows=distinct - 1)(ctx,
-                                                                                     graph)
+        small(ctx, graph)
 
 
 def test_window_states_refuse_training_and_blocks_with_windows():
