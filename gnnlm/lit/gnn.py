@@ -42,10 +42,13 @@ class GNNLM(TokenLevelModule):
                  edge_aggr: Literal["sum", "mean"] = "sum",
                  kind: Literal["gnnlm", "hgt"] = "gnnlm", impl: Literal["dense", "pyg"] = "dense",
                  zero_init_output: bool = True, lr: float = 5e-4, weight_decay: float = 0.01,
-                 warmup_steps: int = 100, min_lr_ratio: float = 0.1):
+                 warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+                 max_windows: Optional[int] = None):
         """``vocab_size`` and ``feature_dim`` are linked from the graph data module by the CLI.
         ``norm``/``edge_aggr`` choose between the paper's equations (``"none"``, ``"sum"``)
-        and the reference implementation's layer (``"post"``, ``"mean"``)."""
+        and the reference implementation's layer (``"post"``, ``"mean"``). ``max_windows``:
+        the most retrieved windows whose states evaluation keeps (default: one per train
+        position; see ``gnnlm.window_states``)."""
         super().__init__()
         if feature_dim <= 0:
             raise ValueError(f"feature_dim must be the base LM's hidden size (got {feature_dim}).")
@@ -82,7 +85,8 @@ class GNNLM(TokenLevelModule):
                                "attach_node_features(...) and set model.graph.")
         states = self._window_states
         if states is None or states.config != dataclasses.replace(self.graph, k=states.config.k):
-            states = WindowStates(self.gnn, *self._node_features, self.graph)
+            states = WindowStates(self.gnn, *self._node_features, self.graph,
+                                  max_windows=self.hparams.max_windows)
             self._window_states = states
         return states
 
