@@ -48,7 +48,7 @@ def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
            "configs/wikitext2/gnnlm_cpu.yaml", str(overlay)]
     with pytest.raises(ValueError, match=r"data.metric = 'l2'.*knn.metric = 'cos'"):
         load_config([*CPU, f"--gnn.config={gnn}"])
-    with pytest.raises(ValueError, match=r"train_tokens = 400000 positions but only the first "
+    with pytest.raises(ValueError, match=r"train_tokens = 350000 positions but only the first "
                                          r"neighbors.train_queries = 5000"):
         load_config([*CPU, "--neighbors.train_queries=5000"])
     with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(graph.k, "
