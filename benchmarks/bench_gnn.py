@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="graphs per training batch")
     parser.add_argument("--eval-batch-size", type=int, default=16,
                         help="blocks per evaluation batch")
+    parser.add_argument("--heads", type=int, default=4, help="the GNN's heads (GPU config: 8)")
     parser.add_argument("--impl", default="dense", choices=["dense", "pyg"])
     parser.add_argument("--node-features", default="raw", choices=["pq", "raw"])
     parser.add_argument("--skip-per-retrieval-above", type=int, default=10**9,
@@ -208,7 +209,7 @@ def main() -> None:
     base_peak = peak_mib(device)
     setting = {"device": str(device), "threads": torch.get_num_threads(),
                "block_size": args.block_size, "eval_batch_size": args.eval_batch_size,
-               "node_features": args.node_features, "impl": args.impl,
+               "node_features": args.node_features, "impl": args.impl, "heads": args.heads,
                "workdir": str(workdir.root)}
     records = [{"k": None, "path": "base_lm", "phase": "eval", "tokens": n_eval,
                 "tokens_per_s": 1 / base, "base_tokens_per_s": 1 / base, "ratio": 1.0,
@@ -247,7 +248,7 @@ def main() -> None:
 
         dm = data("per_retrieval", args.tokens)
         model = GNNLM(vocab_size=dm.vocab_size, feature_dim=dm.feature_dim, dropout=0.0,
-                      heads=4, impl=args.impl, zero_init_output=False).to(device)
+                      heads=args.heads, impl=args.impl, zero_init_output=False).to(device)
         model.graph = dataclasses.replace(dm.graph, k=k)
         model.attach_output_embedding(*dm.output_embedding())
         model.attach_node_features(dm.node_features(), dm.n_train)
