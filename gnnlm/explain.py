@@ -21,7 +21,7 @@ from gnnlm.datastore import encode_text_positions, load_output_embedding, open_f
 from gnnlm.gnn_dense import DenseGraph
 from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA, GraphConfig
-from gnnlm.models import load_base_lm
+from gnnlm.models import BaseLM, load_base_lm
 from gnnlm.pq import PQFeatures, RawFeatures
 from gnnlm.search import Searcher
 from gnnlm.tokens import TokenStore
@@ -29,13 +29,12 @@ from gnnlm.window_states import WindowStates
 from gnnlm.workdir import Workdir
 
 
-def retrieved_contexts(workdir: Workdir, key: str, metric: str, base_lm: str, text: str,
+def retrieved_contexts(workdir: Workdir, key: str, metric: str, model: BaseLM, text: str,
                        top: int = 3, left: int = 12, right: int = 6) -> list[dict]:
     """Top ``top`` neighbours of the text's last position, with their train contexts."""
     store = TokenStore.open(workdir.tokens)
     tokenizer = store.tokenizer
     ids = _text_ids(store, text)
-    model = load_base_lm(base_lm)
     searcher = Searcher.for_workdir(workdir, key, metric)
     _, train = open_features(workdir.features("train"), expect_lm=model.identity())
     query = encode_text_positions(model, ids, store.bos_id)[key][-1:]       # [1, d]
@@ -53,7 +52,7 @@ def retrieved_contexts(workdir: Workdir, key: str, metric: str, base_lm: str, te
     return rows
 
 
-def next_token_predictions(workdir: Workdir, key: str, metric: str, base_lm: str, text: str,
+def next_token_predictions(workdir: Workdir, key: str, metric: str, model: BaseLM, text: str,
                            top: int = 5) -> Optional[dict]:
     """The base LM's and the trained GNN-LM's ``top`` next tokens after ``text``, with their
     probabilities, or None when the work directory has no trained GNN-LM head."""
@@ -63,22 +62,21 @@ def next_token_predictions(workdir: Workdir, key: str, metric: str, base_lm: str
     manifest = read_manifest(head)
     checkpoint = load_checkpoint(head / manifest["ckpt"])
     hp = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
-    if hp.get("kind", "gnnlm") != "gnnlm":
+    if hp["kind"] != "gnnlm":
         return None  # the HGT baseline has no window states
     data = datamodule_args(head / manifest["ckpt"])
     graph = data.get("graph") or GraphConfig()
     graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
     k = (manifest.get("eval_k") or {}).get("chosen", graph.k)
     graph = dataclasses.replace(graph, k=k)
-    stack = GNNStack(hp["feature_dim"], METADATA, num_layers=hp.get("num_layers", 3),
-                     heads=hp.get("heads", 4), norm=hp.get("norm", "none"),
-                     edge_aggr=hp.get("edge_aggr", "sum"), readout=("ctx",))
+    # the GNN-LM module saves every init argument: the stack is rebuilt from them as it built it
+    stack = GNNStack(hp["feature_dim"], METADATA, num_layers=hp["num_layers"], heads=hp["heads"],
+                     norm=hp["norm"], edge_aggr=hp["edge_aggr"], readout=("ctx",))
     stack.load_state_dict(model_state(checkpoint, "gnn."))
     stack.eval()
 
     store = TokenStore.open(workdir.tokens)
     ids = _text_ids(store, text)
-    model = load_base_lm(base_lm)
     node_key = data.get("key", key)
     feats = encode_text_positions(model, ids, store.bos_id)[node_key][1:]  # [n, d], row t → t+1
     feats = feats[-int(data.get("block_size", 64)):]                       # one block
@@ -127,11 +125,12 @@ def main(args: list[str]) -> list[dict]:
     cfg = to_config(parser, namespace)
     workdir = Workdir(cfg.workdir)
     base_lm = cfg.base_lm.ckpt or str(workdir.base_lm_checkpoint)
-    rows = retrieved_contexts(workdir, cfg.knn.primary, cfg.knn.metric, base_lm, text, top)
+    model = load_base_lm(base_lm)  # loaded once for both
+    rows = retrieved_contexts(workdir, cfg.knn.primary, cfg.knn.metric, model, text, top)
     print(f"Input: {text}")
     for i, row in enumerate(rows, 1):
         print(f"Extracted {i} (sim {row['similarity']:.3f}): {row['context']}")
-    predictions = next_token_predictions(workdir, cfg.knn.primary, cfg.knn.metric, base_lm, text)
+    predictions = next_token_predictions(workdir, cfg.knn.primary, cfg.knn.metric, model, text)
     for name, tokens in (predictions or {}).items():
         print(f"Next token, {name}: " + ", ".join(f"{t} ({p:.3f})" for t, p in tokens))
     return rows
