@@ -95,6 +95,7 @@ class FeatureDataModule(pl.LightningDataModule):
             raise ArtifactError(f"{err} Heads on frozen features read the artifacts of "
                                 f"`gnnlm pipeline`; run its retrieval stages first.") from err
         self.feature_dim, self.vocab_size = manifest["dim"], manifest["vocab_size"]
+        self.logit_softcap = manifest["base_lm"].get("logit_softcap")  # applied after W
 
     def output_embedding(self):
         return load_output_embedding(self.workdir)

@@ -141,6 +141,7 @@ class GraphDataModule(pl.LightningDataModule):
                                 f"first.") from err
         self.feature_dim = train_manifest["dim"]
         self.vocab_size = train_manifest["vocab_size"]
+        self.logit_softcap = train_manifest["base_lm"].get("logit_softcap")  # applied after W
         self.n_train = train_manifest["n"]
 
     # -- pieces ----------------------------------------------------------------------------

@@ -28,10 +28,12 @@ from gnnlm.workdir import Workdir
 class Blocks(Dataset):
     """Non-overlapping blocks: ``input = stream[i*T : (i+1)*T]``, target shifted by one.
 
-    ``positions`` are the split positions (``gnnlm.encode``) that the inputs are read at."""
+    ``positions`` are the split positions (``gnnlm.encode``) that the inputs are read at.
+    ``bos_id`` (models that read BOS first in every window) replaces each block's first input
+    and masks its prediction, which would read BOS alone."""
 
-    def __init__(self, stream: torch.Tensor, block_size: int):
-        self.stream, self.T = stream, block_size
+    def __init__(self, stream: torch.Tensor, block_size: int, bos_id: Optional[int] = None):
+        self.stream, self.T, self.bos_id = stream, block_size, bos_id
         self.n = (len(stream) - 1) // block_size
         if self.n == 0:
             raise ValueError(f"The train split ({len(stream) - 1} tokens) is shorter than one "
@@ -42,17 +44,25 @@ class Blocks(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         chunk = self.stream[i * self.T: (i + 1) * self.T + 1]
-        return {"input": chunk[:-1], "target": chunk[1:],
+        item = {"input": chunk[:-1], "target": chunk[1:],
                 "positions": torch.arange(i * self.T, (i + 1) * self.T)}
+        if self.bos_id is not None:
+            item["input"] = item["input"].clone()
+            item["input"][0] = self.bos_id
+            item["mask"] = torch.ones(self.T)
+            item["mask"][0] = float(i == 0)
+        return item
 
 
 class SlidingWindows(Dataset):
     """Evaluation windows with a mask selecting each window's scored positions."""
 
-    def __init__(self, stream: torch.Tensor, context: int, stride: int):
+    def __init__(self, stream: torch.Tensor, context: int, stride: int,
+                 bos_id: Optional[int] = None):
+        """``bos_id``: put it first in every window (as ``gnnlm.encode`` does)."""
         n = len(stream) - 1
         self.context = min(context, n)
-        self.stream = stream
+        self.stream, self.bos_id = stream, bos_id
         self.starts, self.score_from = sliding_windows(n, self.context, min(stride, self.context))
 
     def __len__(self) -> int:
@@ -63,7 +73,11 @@ class SlidingWindows(Dataset):
         chunk = self.stream[s: s + self.context + 1]
         mask = torch.zeros(self.context)
         mask[int(self.score_from[w]) - s:] = 1.0
-        return {"input": chunk[:-1], "target": chunk[1:], "mask": mask,
+        inputs = chunk[:-1]
+        if self.bos_id is not None:
+            inputs = inputs.clone()
+            inputs[0] = self.bos_id
+        return {"input": inputs, "target": chunk[1:], "mask": mask,
                 "positions": torch.arange(s, s + self.context)}
 
 

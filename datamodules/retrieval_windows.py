@@ -22,6 +22,7 @@ from datamodules.sampling import eval_sampler
 from gnnlm.artifacts import ArtifactError, read_manifest
 from gnnlm.datastore import open_features
 from gnnlm.encode import protocol, stream_tensor
+from gnnlm.models import hf_options
 from gnnlm.workdir import SPLITS, Workdir
 
 
@@ -67,6 +68,8 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
         # the model loads this LM and checks its weights against the datastore's fingerprint
         self.base_lm = base_lm_path or self._recorded_base_lm(train["base_lm"])
         self.base_lm_fingerprint = train["base_lm"]["fingerprint"]
+        self.base_lm_options = hf_options(train["base_lm"])
+        self.window_bos = self.bos_id if train.get("bos_each_window") else None
         self.context, self.stride = (self.manifests["valid"]["config"][name]
                                      for name in ("context", "stride"))
 
@@ -81,7 +84,7 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
 
     @property
     def protocol(self) -> str:
-        return protocol(self.context, self.stride)
+        return protocol(self.context, self.stride, self.window_bos is not None)
 
     def _values(self, split: str) -> NeighborValues:
         hp = self.hparams
@@ -99,7 +102,8 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
             raise ValueError(f"train_tokens={n} but the train neighbours in {values.dir} cover "
                              f"only the first {values.n} positions: lower train_tokens or build "
                              f"neighbours for more train queries.")
-        data = WithNeighborValues(Blocks(self._stream("train", n), hp.block_size), values)
+        data = WithNeighborValues(Blocks(self._stream("train", n), hp.block_size,
+                                                   self.window_bos), values)
         return DataLoader(data, batch_size=hp.batch_size, shuffle=True, drop_last=True,
                           num_workers=hp.num_workers)
 
@@ -110,7 +114,7 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
             raise ArtifactError(f"{values.dir} covers {values.n} positions but the {split} "
                                 f"features hold {n}: rebuild the neighbours.")
         data = WithNeighborValues(SlidingWindows(self._stream(split, n), self.context,
-                                                 self.stride), values)
+                                                 self.stride, self.window_bos), values)
         return DataLoader(data, batch_size=self.hparams.eval_batch_size, shuffle=False,
                           num_workers=self.hparams.num_workers, sampler=eval_sampler(self, data))
 

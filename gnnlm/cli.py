@@ -82,6 +82,8 @@ class GnnlmCLI(LightningCLI):
         parser.link_arguments("data.base_lm", "model.init_args.base_lm", apply_on="instantiate")
         parser.link_arguments("data.base_lm_fingerprint", "model.init_args.base_lm_fingerprint",
                               apply_on="instantiate")
+        parser.link_arguments("data.base_lm_options", "model.init_args.base_lm_options",
+                              apply_on="instantiate")
 
 
 def lightning_main(args: list[str] | None = None) -> GnnlmCLI:

@@ -35,6 +35,7 @@ from gnnlm.knn import (
 )
 from gnnlm.knn_cache import check_scores
 from gnnlm.models.base import FEATURE_KEYS
+from gnnlm.models.hf import DTYPES, check_key_path
 from gnnlm.neighbors import NeighborsConfig
 from gnnlm.pq import PQConfig
 from gnnlm.ranks import check_devices
@@ -71,16 +72,43 @@ def merged_yaml(paths: list[str]) -> dict:
 @dataclass
 class BaseLMStage:
     """``ckpt``: a ``gnnlm fit`` checkpoint or ``hf:<name-or-folder>``; when None the base LM is
-    trained with ``config`` (``gnnlm fit`` YAMLs) into ``heads/base_lm`` of the work dir."""
+    trained with ``config`` (``gnnlm fit`` YAMLs) into ``heads/base_lm`` of the work dir.
+
+    For a Hugging Face model: ``keys`` names where each feature is read, ``{final: ..., att:
+    ...}`` as ``<module path>:input|output`` (default: the family's, see
+    ``gnnlm.models.hf.KEY_PATHS``); ``dtype`` the weights' precision (``float32``, ``bfloat16``,
+    ``float16``; log-probabilities stay float32); ``device_map`` spreads a model larger than one
+    GPU over several (``auto``; needs ``accelerate``)."""
     ckpt: Optional[str] = None
     config: YAMLs = None
+    keys: Optional[dict[str, str]] = None
+    dtype: Optional[str] = None
+    device_map: Optional[str] = None
+
+    def __post_init__(self):
+        hf_only = [name for name in ("keys", "dtype", "device_map") if getattr(self, name)]
+        if hf_only and not (self.ckpt or "").startswith("hf:"):
+            raise ValueError(f"base_lm.{hf_only[0]} applies to Hugging Face base LMs "
+                             f"(base_lm.ckpt: hf:<name-or-folder>).")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"base_lm.dtype must be one of {sorted(DTYPES)} (got "
+                             f"{self.dtype!r}).")
+        for key, path in (self.keys or {}).items():
+            if key not in FEATURE_KEYS:
+                raise ValueError(f"base_lm.keys names {key!r}: the keys are "
+                                 f"{list(FEATURE_KEYS)}.")
+            check_key_path(path, f"base_lm.keys.{key}")
+
+    def options(self) -> dict:
+        """What ``load_base_lm`` takes besides the path."""
+        return {"keys": self.keys, "dtype": self.dtype, "device_map": self.device_map}
 
 
 @dataclass
 class CorpusStage:
     """Where tokens come from when the base LM is not trained here (a trained LM's checkpoint
     already names its corpus and tokenizer). For a Hugging Face base LM use tokenizer kind
-    ``hf`` with the model's path."""
+    ``hf``: without a ``path`` it is the model's own tokenizer."""
     name: str = "wikitext-2"
     path: Optional[str] = None
     data_dir: Optional[str] = None
@@ -89,7 +117,8 @@ class CorpusStage:
 
 @dataclass
 class FeaturesStage:
-    """Sliding-window protocol (defaults: the base LM's context, stride context/2)."""
+    """Sliding-window protocol (defaults: the base LM's context, at most 1,024 tokens for a
+    Hugging Face model, whose own can be 128k; stride context/2)."""
     context: Optional[int] = None
     stride: Optional[int] = None
     batch_size: int = 32
@@ -100,6 +129,11 @@ class FeaturesStage:
     def __post_init__(self):
         check_device(self.device)
         check_devices(self.devices, "features.devices")
+        if self.context is not None and self.context < 2:
+            raise ValueError(f"features.context must be >= 2 (got {self.context}).")
+        if self.stride is not None and not 0 < self.stride <= (self.context or self.stride):
+            raise ValueError(f"features.stride must be in [1, features.context] (got "
+                             f"stride={self.stride}, context={self.context}).")
         if self.batch_size < 1:
             raise ValueError(f"features.batch_size must be >= 1 (got {self.batch_size}).")
 
@@ -228,6 +262,12 @@ def check_contracts(cfg: PipelineConfig) -> None:
     if cfg.base_lm.ckpt is None and not yaml_list(cfg.base_lm.config):
         raise ValueError("base_lm needs `ckpt` (a checkpoint or hf:<name>) or `config` (the "
                          "`gnnlm fit` YAMLs to train one).")
+    tokenizer = cfg.corpus.tokenizer if cfg.corpus is not None else None
+    if (tokenizer is not None and tokenizer.kind == "hf" and not tokenizer.path
+            and not (cfg.base_lm.ckpt or "").startswith("hf:")):
+        raise ValueError("corpus.tokenizer kind 'hf' without a path means the Hugging Face base "
+                         "LM's own tokenizer, but base_lm.ckpt is not hf:<name-or-folder>: give "
+                         "corpus.tokenizer.path.")
     if cfg.ablations.memory_lm is not None:
         merged_yaml(yaml_list(cfg.ablations.memory_lm))  # the files exist and parse
     for row, paths in cfg.heads().items():

@@ -100,15 +100,23 @@ class FeaturesJob(ShardedJob):
     def desc(self) -> str:
         return f"features {self.split}"
 
+    @property
+    def bos_each_window(self) -> bool:
+        return bool(self.tokens_manifest.get("bos_each_window", False))
+
     def builder(self) -> ArtifactBuilder:
-        return ArtifactBuilder(
-            self.out_dir, kind="features",
-            config={"split": self.split, "context": self.context, "stride": self.stride,
-                    "max_tokens": self.max_tokens, "with_logprob": self.with_logprob,
-                    "chunk_windows": self.chunk_windows},
-            inputs={"base_lm_fingerprint": self.model.fingerprint(),
-                    "tokens": self.tokens_manifest["fingerprint"]},
-            rebuild=self.rebuild)
+        config = {"split": self.split, "context": self.context, "stride": self.stride,
+                  "max_tokens": self.max_tokens, "with_logprob": self.with_logprob,
+                  "chunk_windows": self.chunk_windows}
+        if self.bos_each_window:
+            config["bos_each_window"] = True
+        inputs = {"base_lm_fingerprint": self.model.fingerprint(),
+                  "tokens": self.tokens_manifest["fingerprint"]}
+        keys = self.model.identity().get("keys")
+        if keys:  # a Hugging Face model: where its features are read
+            inputs["base_lm_keys"] = keys
+        return ArtifactBuilder(self.out_dir, kind="features", config=config, inputs=inputs,
+                               rebuild=self.rebuild)
 
     def tokens(self) -> np.ndarray:
         stream = open_array(self.tokens_path, self.split, self.tokens_manifest)
@@ -133,7 +141,7 @@ class FeaturesJob(ShardedJob):
                             min((chunk + 1) * self.chunk_windows, self.n_windows))
             for batch in encode_windows(model, tokens, bos_id, self.context, self.stride,
                                         window_range, self.batch_size, self.with_logprob,
-                                        rank.device):
+                                        rank.device, self.bos_each_window):
                 span = slice(batch.start, batch.start + batch.final.shape[0])
                 arrays["final"][span] = batch.final.cpu().numpy().astype(np.float16)
                 arrays["att"][span] = batch.att.cpu().numpy().astype(np.float16)
@@ -142,9 +150,11 @@ class FeaturesJob(ShardedJob):
 
     def extra(self, rank: Rank, done: dict[int, dict], wall_seconds: float) -> dict:
         identity = {**self.model.identity(), "location": self.location}
+        # the softmax's size: a Hugging Face model may pad its vocabulary beyond the tokenizer's
         return {"n": self.n, "dim": self.model.hidden_size,
-                "protocol": protocol(self.context, self.stride), "keys": list(FEATURE_KEYS),
-                "base_lm": identity, "vocab_size": int(self.tokens_manifest["vocab_size"]),
+                "protocol": protocol(self.context, self.stride, self.bos_each_window),
+                "bos_each_window": self.bos_each_window, "keys": list(FEATURE_KEYS),
+                "base_lm": identity, "vocab_size": int(self.model.vocab_size),
                 "seconds": wall_seconds, "devices": rank.world,
                 "encode_seconds": round(float(totals(done).get("seconds", 0.0)), 2)}
 
@@ -213,9 +223,14 @@ def build_all_features(model: BaseLM, store: TokenStore, workdir: Workdir, conte
 
 
 @torch.no_grad()
-def encode_text_positions(model: BaseLM, ids: np.ndarray, bos_id: int) -> dict[str, np.ndarray]:
-    """Features of ``[bos] + ids``, float32 [len(ids) + 1, d]: row t predicts ids[t], the last
-    row the token after the text (for ``explain``)."""
+def encode_text_positions(model: BaseLM, ids: np.ndarray, bos_id: int,
+                          bos_each_window: bool = False) -> dict[str, np.ndarray]:
+    """Features of ``[bos] + ids`` (its last ``context_length`` tokens, opening with BOS when
+    the model reads one first in every window), float32 [rows, d]: row t predicts the token
+    after stream[t], the last row the token after the text (for ``explain``)."""
     stream = torch.from_numpy(np.concatenate([[bos_id], ids]).astype(np.int64))[None]
-    feats = model.eval()(stream[:, -model.context_length:])
+    stream = stream[:, -model.context_length:].clone()
+    if bos_each_window:
+        stream[0, 0] = bos_id
+    feats = model.eval()(stream)
     return {"final": feats.final[0].float().numpy(), "att": feats.att[0].float().numpy()}

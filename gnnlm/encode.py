@@ -6,6 +6,12 @@ of length C start every S positions; the first window scores all its positions, 
 window only its last S, and the final window is shifted left so that it is full length. Every
 position is therefore encoded exactly once, with at least C - S tokens of left context (or all
 of its left context, when that is shorter), whatever the batch size or chunking.
+
+Models trained with a beginning-of-sequence token before every sequence (Llama, Mistral,
+Gemma, OPT) read it first in every window (``bos_each_window``): the window's first slot holds
+BOS instead of its stream token, so scored positions keep >= C - S - 1 tokens of left context
+after it (this needs S < C). Models without one (GPT-2, Pythia, Qwen2, Phi) start windows
+mid-text, as they were trained.
 """
 from __future__ import annotations
 
@@ -20,14 +26,23 @@ from gnnlm.metrics import target_nll
 from gnnlm.models.base import BaseLM
 
 
-def check_protocol(context: int, stride: int, max_context: int | None = None) -> None:
+def check_protocol(context: int, stride: int, max_context: int | None = None,
+                   bos_each_window: bool = False) -> None:
     if context <= 0 or not 0 < stride <= context:
         raise ValueError(f"need 0 < stride <= context (got context={context}, stride={stride}).")
+    if bos_each_window and stride >= context:
+        raise ValueError(f"features.stride must be below features.context when every window "
+                         f"starts with the model's BOS token (got context={context}, "
+                         f"stride={stride}).")
     if max_context is not None and context > max_context:
         raise ValueError(f"context {context} exceeds the base LM's context length {max_context}.")
 
 
-def protocol(context: int, stride: int) -> str:
+def protocol(context: int, stride: int, bos_each_window: bool = False) -> str:
+    if bos_each_window:
+        return (f"sliding window: context {context} (BOS first in every window), stride "
+                f"{stride}; every token scored once with >= {context - stride - 1} tokens of "
+                f"left context after BOS (all of it near the split's start)")
     return (f"sliding window: context {context}, stride {stride}; every token scored once with "
             f">= {context - stride} tokens of left context (all of it near the split's start)")
 
@@ -63,17 +78,20 @@ class EncodedBatch(NamedTuple):
 @torch.no_grad()
 def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int, stride: int,
                    window_range: tuple[int, int] | None = None, batch_size: int = 8,
-                   with_logprob: bool = False, device: str | torch.device = "cpu"
-                   ) -> Iterator[EncodedBatch]:
+                   with_logprob: bool = False, device: str | torch.device = "cpu",
+                   bos_each_window: bool = False) -> Iterator[EncodedBatch]:
     """Encode windows ``window_range`` (all by default) in batches, yielding scored spans in order.
 
     Spans of consecutive batches are contiguous, so callers can write them straight into a
-    position-indexed memmap and resume at any window boundary.
+    position-indexed memmap and resume at any window boundary. ``bos_each_window`` puts
+    ``bos_id`` in the first slot of every window (see the module docstring).
     """
     n = len(tokens)
     context = min(context, n)
     stride = min(stride, context)
-    check_protocol(context, stride, getattr(model, "context_length", None))
+    # one window (a split no longer than the context) has no later window to start with BOS
+    check_protocol(context, stride, getattr(model, "context_length", None),
+                   bos_each_window and n > context)
     starts, score_from = sliding_windows(n, context, stride)
     lo, hi = window_range or (0, len(starts))
     stream = stream_tensor(tokens, bos_id)
@@ -82,16 +100,20 @@ def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int,
     for b in range(lo, hi, batch_size):
         w = np.arange(b, min(b + batch_size, hi))
         idx = torch.from_numpy(starts[w])[:, None] + torch.arange(context)[None, :]  # [B, C]
-        feats = model(stream[idx].to(device))
+        inputs = stream[idx]
+        if bos_each_window:
+            inputs[:, 0] = bos_id
+        feats = model(inputs.to(device))
         offsets = score_from[w] - starts[w]                       # first scored slot per window
         ends = np.minimum(starts[w] + context, n) - starts[w]
         keep = torch.cat([torch.arange(o, e) + i * context for i, (o, e)
-                          in enumerate(zip(offsets, ends))]).to(device)
+                          in enumerate(zip(offsets, ends))]).to(feats.final.device)
         final = feats.final.reshape(-1, feats.final.shape[-1])[keep].float()   # [n_b, d]
         att = feats.att.reshape(-1, feats.att.shape[-1])[keep].float()
         logprob = None
         if with_logprob:
             positions = torch.cat([torch.arange(s + o, s + e) for s, o, e
                                    in zip(starts[w], offsets, ends)])
-            logprob = -target_nll(model.logits(final), targets[positions].to(device))
+            logits = model.logits(final)  # float32 (soft-capped where the model is)
+            logprob = -target_nll(logits, targets[positions].to(logits.device))
         yield EncodedBatch(int(score_from[w[0]]), final, att, logprob)

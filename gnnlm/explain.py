@@ -21,7 +21,8 @@ from gnnlm.datastore import encode_text_positions, load_output_embedding, open_f
 from gnnlm.gnn_dense import DenseGraph
 from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA, GraphConfig
-from gnnlm.models import BaseLM, load_base_lm
+from gnnlm.models import BaseLM, is_hf, load_base_lm
+from gnnlm.models.base import softcap
 from gnnlm.pq import PQFeatures, RawFeatures
 from gnnlm.search import Searcher
 from gnnlm.tokens import TokenStore
@@ -37,7 +38,8 @@ def retrieved_contexts(workdir: Workdir, key: str, metric: str, model: BaseLM, t
     ids = _text_ids(store, text)
     searcher = Searcher.for_workdir(workdir, key, metric)
     _, train = open_features(workdir.features("train"), expect_lm=model.identity())
-    query = encode_text_positions(model, ids, store.bos_id)[key][-1:]       # [1, d]
+    query = encode_text_positions(model, ids, store.bos_id,
+                                  store.bos_each_window)[key][-1:]                   # [1, d]
     sims, positions = searcher.search(query.astype(np.float32), top)
     train_tokens = np.asarray(train["targets"])  # targets[p] = the token after position p
     rows = []
@@ -78,7 +80,8 @@ def next_token_predictions(workdir: Workdir, key: str, metric: str, model: BaseL
     store = TokenStore.open(workdir.tokens)
     ids = _text_ids(store, text)
     node_key = data.get("key", key)
-    feats = encode_text_positions(model, ids, store.bos_id)[node_key][1:]  # [n, d], row t → t+1
+    feats = encode_text_positions(model, ids, store.bos_id,
+                                  store.bos_each_window)[node_key][1:]  # [n, d], row t → t+1
     feats = feats[-int(data.get("block_size", 64)):]                       # one block
     _, retrieved = Searcher.for_workdir(workdir, node_key, metric).search(feats, k)
     node_features = (RawFeatures(workdir.features("train"), node_key)
@@ -96,7 +99,8 @@ def next_token_predictions(workdir: Workdir, key: str, metric: str, model: BaseL
              f"GNN-LM (k = {k})": states(torch.from_numpy(feats)[None], layout)[0, -1]}
         rows = {}
         for name, hidden in h.items():
-            logits = torch.nn.functional.linear(hidden.float(), weight.float(), bias)
+            logits = softcap(torch.nn.functional.linear(hidden.float(), weight.float(), bias),
+                             model.logit_softcap)
             probs, tokens = torch.softmax(logits, -1).topk(top)
             rows[name] = [(store.tokenizer.decode([int(t)]).strip(), float(p))
                           for p, t in zip(probs, tokens)]
@@ -125,7 +129,7 @@ def main(args: list[str]) -> list[dict]:
     cfg = to_config(parser, namespace)
     workdir = Workdir(cfg.workdir)
     base_lm = cfg.base_lm.ckpt or str(workdir.base_lm_checkpoint)
-    model = load_base_lm(base_lm)  # loaded once for both
+    model = load_base_lm(base_lm, cfg.base_lm.options() if is_hf(base_lm) else None)  # once
     rows = retrieved_contexts(workdir, cfg.knn.primary, cfg.knn.metric, model, text, top)
     print(f"Input: {text}")
     for i, row in enumerate(rows, 1):

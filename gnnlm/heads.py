@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gnnlm.models.base import softcap
+
 
 class SpalmGate(nn.Module):
     r"""SPALM long-term memory (Yogatama et al. 2021, §2).
@@ -36,13 +38,15 @@ class SpalmGate(nn.Module):
 
     def forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
                 force_gate: Optional[float] = None, value_weight: Optional[Tensor] = None,
-                memory_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                memory_scale: Optional[Tensor] = None,
+                logit_softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
         """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B, d])``.
 
         The y_k are rows of ``value_weight`` (default: ``weight``, SPALM's one W; a separate
         tensor lets a caller follow or cut the gradient of each path on its own).
         ``memory_scale`` (a scalar or [d]) multiplies m_t before the gate (None: the paper's
-        m_t; ``gnnlm.spalm`` says why a warm-started model needs it)."""
+        m_t; ``gnnlm.spalm`` says why a warm-started model needs it). ``logit_softcap``: the
+        base LM's final-logit soft-capping (Gemma 2), so that g = 1 is the base LM."""
         valid = nbr_values >= 0                                           # [B, K]
         table = weight if value_weight is None else value_weight
         y = table[nbr_values.clamp(min=0)]                                # [B, K, d]
@@ -54,7 +58,7 @@ class SpalmGate(nn.Module):
         g = torch.sigmoid(self.gate(h)) if force_gate is None \
             else torch.full_like(h, float(force_gate))                    # [B, d]
         z = (1 - g) * m + g * h
-        return F.linear(z, weight, bias), g
+        return softcap(F.linear(z, weight, bias), logit_softcap), g
 
 
 class MultiEmbeddingSoftmax(nn.Module):

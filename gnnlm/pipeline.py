@@ -11,7 +11,8 @@ This module only orders the stages; each lives in its own module (see ARCHITECTU
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -24,11 +25,12 @@ from gnnlm.datastore import build_all_features
 from gnnlm.index import build_index
 from gnnlm.knn import fit_and_score, fit_lambda, interpolate
 from gnnlm.knn_cache import build_knn_cache, open_knn_cache
-from gnnlm.models import BaseLM, load_base_lm
+from gnnlm.models import BaseLM, is_hf, load_base_lm
+from gnnlm.models.hf import DEFAULT_CONTEXT
 from gnnlm.neighbors import build_neighbors
 from gnnlm.pq import build_pq
 from gnnlm.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
-from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
+from gnnlm.tokens import HFTokenizer, TokenizerConfig, TokenStore, build_tokens
 from gnnlm.workdir import EVAL_SPLITS, SPLITS, Workdir
 
 
@@ -42,17 +44,44 @@ def stage_base_lm(cfg: PipelineConfig, workdir: Workdir) -> tuple[BaseLM, TokenS
         ckpt = str(workdir.head("base_lm") / manifest["ckpt"])
     else:
         ckpt, manifest = spec.ckpt, {}
-    model = load_base_lm(ckpt)
+    model = load_base_lm(ckpt, spec.options() if is_hf(ckpt) else None)
     existed = (workdir.tokens / "manifest.json").is_file()
     store = stage_tokens(cfg, workdir, ckpt)
-    if store.vocab_size != model.vocab_size:
+    try:
+        check_vocabulary(model, store, ckpt)
+    except ValueError:
         if not existed:  # this run's tokens fail validation: leave nothing that looks complete
             shutil.rmtree(workdir.tokens)
-        raise ValueError(f"The base LM {model.name} has {model.vocab_size} outputs but the "
-                         f"tokenizer of the corpus has {store.vocab_size} types: they must "
-                         f"match (for a Hugging Face LM use tokenizer kind 'hf' with its path).")
+        raise
     location = ckpt if ckpt.startswith("hf:") else workdir.relative(ckpt)
     return model, store, manifest, location
+
+
+def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
+    """Token ids must mean the same to the model and the corpus. A Hugging Face model may have
+    more outputs than its tokenizer has tokens (vocabularies padded to a multiple of 64 or 128:
+    Pythia, Qwen2, Phi, OPT): the extra rows are never targets, and keeping them in the softmax
+    keeps the model's own probabilities. When the model's folder has its own tokenizer, the
+    corpus's must be that one, token for token."""
+    hf = ckpt.startswith("hf:")
+    if store.vocab_size > model.vocab_size or (not hf and store.vocab_size != model.vocab_size):
+        raise ValueError(f"The base LM {model.name} has {model.vocab_size} outputs but the "
+                         f"tokenizer of the corpus has {store.vocab_size} types: they must "
+                         f"match (for a Hugging Face LM use tokenizer kind 'hf', which without "
+                         f"a path is the model's own).")
+    folder = Path(ckpt.removeprefix("hf:"))
+    if not hf or not folder.is_dir() or "vocab_fingerprint" not in store.manifest:
+        return
+    try:
+        own = HFTokenizer.from_path(str(folder))
+    except FileNotFoundError:  # the folder has no tokenizer to compare with
+        return
+    if own.vocab_fingerprint() != store.manifest["vocab_fingerprint"]:
+        raise ValueError(f"The corpus was tokenized with another vocabulary (fingerprint "
+                         f"{store.manifest['vocab_fingerprint']}, tokens in {store.path}) than "
+                         f"the base LM's own tokenizer in {folder} ({own.vocab_fingerprint()}): "
+                         f"token ids would mean different words. Use tokenizer kind 'hf' "
+                         f"without a path (the model's own).")
 
 
 def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore:
@@ -66,15 +95,27 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
     if corpus is None:
         raise ValueError(f"Cannot tell which corpus and tokenizer the base LM {ckpt} reads: "
                          f"add a `corpus:` section to the pipeline config.")
+    tokenizer = corpus.tokenizer
+    if tokenizer.kind == "hf" and not tokenizer.path:  # the Hugging Face model's own
+        tokenizer = replace(tokenizer, path=ckpt.removeprefix("hf:"))
     return build_tokens(workdir.tokens, corpus.name, corpus.path, corpus.data_dir,
-                        corpus.tokenizer, rebuild=cfg.rebuilds("tokens"))
+                        tokenizer, rebuild=cfg.rebuilds("tokens"))
 
 
 def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdir: Workdir,
                    location: str) -> dict:
     fc = cfg.features
+    if fc.context is not None and fc.context > model.context_length:
+        raise ValueError(f"features.context = {fc.context} exceeds the base LM's context "
+                         f"({model.name}: {model.context_length} positions): lower it.")
     context = fc.context or model.context_length
+    if fc.context is None and is_hf(location) and context > DEFAULT_CONTEXT:
+        context = DEFAULT_CONTEXT
+        print(f"features.context not set: windows of {context} tokens (the model allows "
+              f"{model.context_length}; set features.context to use more).", flush=True)
     stride = fc.stride or max(1, context // 2)
+    if fc.stride is not None and fc.stride > context:
+        raise ValueError(f"features.stride = {fc.stride} exceeds the context ({context}).")
     return build_all_features(model, store, workdir, context, stride, batch_size=fc.batch_size,
                               device=fc.device, max_tokens=fc.max_tokens, location=location,
                               rebuild=cfg.rebuilds("features"), devices=fc.devices)

@@ -9,6 +9,7 @@ lines included, and ``<unk>`` is an ordinary token.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -46,10 +47,22 @@ def _lines(text: str) -> list[str]:
 
 
 class Tokenizer:
-    """Common interface: ``encode(text) -> ids``, ``tokens(ids) -> strings``, ``bos_id``."""
+    """Common interface: ``encode(text) -> ids``, ``tokens(ids) -> strings``, ``bos_id`` (the
+    token that opens each split's stream) and ``bos_each_window`` (whether the model also reads
+    it first in every window: Hugging Face tokenizers that prepend a BOS, e.g. Llama's ``<s>``)."""
     kind: str
     vocab_size: int
     bos_id: int
+    bos_each_window = False
+
+    def vocabulary(self) -> list[str]:
+        """The tokens in id order."""
+        raise NotImplementedError
+
+    def vocab_fingerprint(self) -> str:
+        """A hash of the ordered token list: ids mean the same thing where it is equal."""
+        text = json.dumps(self.vocabulary(), ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def encode(self, text: str) -> np.ndarray:
         raise NotImplementedError
@@ -93,6 +106,9 @@ class WordTokenizer(Tokenizer):
 
     def tokens(self, ids) -> list[str]:
         return [self.vocab[int(i)] for i in ids]
+
+    def vocabulary(self) -> list[str]:
+        return list(self.vocab)
 
     def save(self, folder: Path) -> None:
         (folder / "vocab.json").write_text(json.dumps(self.vocab, ensure_ascii=False))
@@ -138,6 +154,9 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return "".join(self.tokens(ids))
 
+    def vocabulary(self) -> list[str]:
+        return list(self.vocab)
+
     def save(self, folder: Path) -> None:
         (folder / "vocab.json").write_text(json.dumps(self.vocab, ensure_ascii=False))
 
@@ -154,12 +173,29 @@ class HFTokenizer(Tokenizer):
     def __init__(self, backend):
         self.backend = backend  # tokenizers.Tokenizer
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        prepended = self._prepended_bos(backend)
+        if prepended is not None:  # the model saw this first in every training sequence
+            self.bos_id, self.bos_each_window = prepended, True
+            return
         ids = [backend.token_to_id(t) for t in self.EOS_CANDIDATES]
         ids = [i for i in ids if i is not None]
         if not ids:
             raise ValueError("The tokenizer has no end-of-text token (looked for "
                              f"{', '.join(self.EOS_CANDIDATES)}); it is needed to open streams.")
         self.bos_id = ids[0]
+
+    @staticmethod
+    def _prepended_bos(backend) -> int | None:
+        """The token the tokenizer's post-processor puts before every text, if any."""
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a").ids
+        if len(full) > len(plain) and full[1:len(plain) + 1] == plain:
+            return int(full[0])
+        return None
+
+    def vocabulary(self) -> list[str]:
+        by_id = {i: t for t, i in self.backend.get_vocab(with_added_tokens=True).items()}
+        return [by_id.get(i, "") for i in range(self.vocab_size)]
 
     @classmethod
     def train_bpe(cls, train_text: str, vocab_size: int) -> HFTokenizer:
@@ -272,6 +308,10 @@ class TokenStore:
         return self.manifest["bos_id"]
 
     @property
+    def bos_each_window(self) -> bool:
+        return bool(self.manifest.get("bos_each_window", False))
+
+    @property
     def level(self) -> str:
         return self.manifest["config"]["tokenizer"]["kind"]
 
@@ -320,5 +360,7 @@ def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: s
             counts[split] = int(ids.shape[0])
         tok.save(builder.partial)
         builder.finish(extra={"vocab_size": tok.vocab_size, "bos_id": int(tok.bos_id),
+                              "bos_each_window": tok.bos_each_window,
+                              "vocab_fingerprint": tok.vocab_fingerprint(),
                               "counts": counts, "sources": {s: str(files[s]) for s in SPLITS}})
     return TokenStore.open(out_dir)

@@ -81,7 +81,7 @@ def test_a_split_with_no_tokens(tmp_path, capsys):
     wd = Workdir(tmp_path / "w")
     args = ["pipeline", *CPU, f"--workdir={wd.root}", f"--base_lm.ckpt={ckpt}",
             f"--corpus.path={path}", "--corpus.name=tiny", "--corpus.tokenizer.kind=char",
-            "--features.max_tokens={valid: 0}"]
+            "--features.context=16", "--features.stride=8", "--features.max_tokens={valid: 0}"]
     assert error_of(args, capsys) == (
         f"gnnlm pipeline: error: Split 'valid' has no tokens to encode (features.max_tokens: 0, "
         f"tokens in {wd.tokens}): give every split a positive prefix.")
@@ -119,7 +119,7 @@ def test_a_checkpoint_of_another_vocabulary_leaves_no_tokens(tmp_path, capsys):
                      f"--corpus.path={path}", "--corpus.name=tiny"], capsys)
     assert line == ("gnnlm pipeline: error: The base LM gpt has 50 outputs but the tokenizer of "
                     "the corpus has 7 types: they must match (for a Hugging Face LM use "
-                    "tokenizer kind 'hf' with its path).")
+                    "tokenizer kind 'hf', which without a path is the model's own).")
     assert not Workdir(tmp_path / "w").tokens.exists()                 # the corrected run starts
 
 

@@ -29,16 +29,19 @@ class TokenLevelModule(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.val_nll, self.test_nll = TokenNLL(), TokenNLL()
+        self.logit_softcap: Optional[float] = None  # the base LM's (Gemma 2), with W
         if self.uses_output_embedding:
             self.register_buffer("out_weight", torch.empty(0), persistent=False)
             self.register_buffer("out_bias", torch.empty(0), persistent=False)
 
-    def attach_output_embedding(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def attach_output_embedding(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                                logit_softcap: Optional[float] = None) -> None:
         V, d = weight.shape
         hp = self.hparams
         if d != hp.feature_dim or (hp.vocab_size and V != hp.vocab_size):
             raise ValueError(f"The output embedding is {V}×{d} but the model was built for "
                              f"vocab_size={hp.vocab_size}, feature_dim={hp.feature_dim}.")
+        self.logit_softcap = logit_softcap
         self.out_weight = weight.to(self.device, torch.float32)
         self.out_bias = (bias if bias is not None else torch.zeros(V)).to(self.device,
                                                                         torch.float32)
@@ -46,7 +49,9 @@ class TokenLevelModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         if (self.uses_output_embedding and self.out_weight.numel() == 0
                 and self.trainer is not None and self.trainer.datamodule is not None):
-            self.attach_output_embedding(*self.trainer.datamodule.output_embedding())
+            data = self.trainer.datamodule
+            self.attach_output_embedding(*data.output_embedding(),
+                                         getattr(data, "logit_softcap", None))
 
     def output_embedding(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.out_weight.numel() == 0:

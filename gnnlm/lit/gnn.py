@@ -30,6 +30,7 @@ from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA, GraphConfig
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.metrics import target_nll
+from gnnlm.models.base import softcap
 from gnnlm.window_states import NodeFeatures, WindowStates
 
 
@@ -107,7 +108,7 @@ class GNNLM(TokenLevelModule):
         else:
             h = self.gnn(batch.x_dict, batch.edge_index_dict)["ctx"]       # [n_ctx, d]
         with torch.autocast(h.device.type, enabled=False):  # the softmax stays in float32
-            return F.linear(h.float(), *self.output_embedding())
+            return softcap(F.linear(h.float(), *self.output_embedding()), self.logit_softcap)
 
     def token_nll(self, batch, stage: str):
         nll = target_nll(self(batch), batch["ctx"].y)

@@ -44,7 +44,8 @@ class SpalmLM(GateHistogram, TokenLevelModule):
 
     def forward(self, batch: dict, force_gate: float | None = None):
         weight, bias = self.output_embedding()
-        return self.head(batch["h"], batch["nbr_values"], weight, bias, force_gate)
+        return self.head(batch["h"], batch["nbr_values"], weight, bias, force_gate,
+                         logit_softcap=self.logit_softcap)
 
     def token_nll(self, batch: dict, stage: str):
         logits, gate = self(batch)
@@ -56,12 +57,15 @@ class SpalmLM(GateHistogram, TokenLevelModule):
 
 class SpalmFinetuneLM(GateHistogram, TokenLevelModule):
     def __init__(self, base_lm: str = "", vocab_size: int = 0, feature_dim: int = 0,
-                 base_lm_fingerprint: Optional[str] = None, gate_bias: float = 2.0,
+                 base_lm_fingerprint: Optional[str] = None,
+                 base_lm_options: Optional[dict] = None, gate_bias: float = 2.0,
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
                  min_lr_ratio: float = 0.1):
         """SPALM (``SpalmGate``) on the base LM ``base_lm`` (a ``gnnlm fit`` checkpoint or
         ``hf:<name>``; linked from ``RetrievalWindowsDataModule``, which reads it from the
         datastore), training the gate w_g together with the LM's last block and final norm.
+        ``base_lm_options``: how a Hugging Face base LM was loaded for the datastore (its
+        feature paths and dtype; linked from the data module too).
 
         Everything below the last block, and the word embedding W shared by input and output,
         stay frozen; so do the keys: the neighbours were retrieved with the frozen LM (SPALM
@@ -73,7 +77,7 @@ class SpalmFinetuneLM(GateHistogram, TokenLevelModule):
         if not base_lm:
             raise ValueError("SpalmFinetuneLM needs base_lm: a `gnnlm fit` checkpoint or "
                              "hf:<name> (RetrievalWindowsDataModule supplies the datastore's).")
-        self.lm = load_base_lm(base_lm)
+        self.lm = load_base_lm(base_lm, base_lm_options)
         if base_lm_fingerprint and self.lm.fingerprint() != base_lm_fingerprint:
             raise ValueError(f"The base LM at {base_lm} (weights {self.lm.fingerprint()}) is not "
                              f"the one the datastore was built with ({base_lm_fingerprint}): "
@@ -100,8 +104,9 @@ class SpalmFinetuneLM(GateHistogram, TokenLevelModule):
         # frozen parameters record no graph: backward runs through the last block only
         final = self.lm(batch["input"]).final.float()                    # [B, T, d]
         weight, bias = self.lm.output_embedding()
-        return self.head(final.flatten(0, 1), batch["nbr_values"].flatten(0, 1), weight, bias,
-                         force_gate)
+        return self.head(final.flatten(0, 1), batch["nbr_values"].flatten(0, 1), weight.float(),
+                         None if bias is None else bias.float(), force_gate,
+                         logit_softcap=self.lm.logit_softcap)
 
     def token_nll(self, batch: dict, stage: str):
         logits, gate = self(batch)

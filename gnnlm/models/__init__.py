@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Optional
 
 from gnnlm.models.base import FEATURE_KEYS, BaseLM, Features
 
@@ -25,22 +26,39 @@ def load_gpt_checkpoint(path: str) -> BaseLM:
     return model
 
 
-def load_base_lm(spec: str) -> BaseLM:
+def load_base_lm(spec: str, options: Optional[dict] = None) -> BaseLM:
     """Load a frozen base LM from ``spec``.
 
     ``spec`` is a checkpoint of the built-in LM written by ``gnnlm fit`` (``*.ckpt``), or
     ``hf:<name or folder>`` for a Hugging Face causal LM (a folder with ``config.json`` also works
-    without the prefix). Models are identified by their weights' fingerprint, not by the path.
+    without the prefix). ``options`` apply to Hugging Face models only: ``keys`` (module paths of
+    the features), ``dtype`` and ``device_map`` (see ``HFCausalLM.from_pretrained``). Models are
+    identified by their weights' fingerprint, not by the path.
     """
-    if spec.startswith("hf:") or (Path(spec).is_dir() and (Path(spec) / "config.json").is_file()):
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    if is_hf(spec):
         from gnnlm.models.hf import HFCausalLM
 
-        model: BaseLM = HFCausalLM.from_pretrained(spec.removeprefix("hf:"))
+        model: BaseLM = HFCausalLM.from_pretrained(spec.removeprefix("hf:"), **options)
     else:
+        if options:
+            raise ValueError(f"base_lm.{sorted(options)[0]} applies to Hugging Face models "
+                             f"(hf:<name-or-folder>), not to the checkpoint {spec}.")
         model = load_gpt_checkpoint(spec)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
 
 
-__all__ = ["FEATURE_KEYS", "BaseLM", "Features", "load_base_lm", "load_gpt_checkpoint"]
+def is_hf(spec: str) -> bool:
+    """Whether ``spec`` names a Hugging Face model (``hf:`` or a folder with config.json)."""
+    return spec.startswith("hf:") or (Path(spec) / "config.json").is_file()
+
+
+def hf_options(identity: dict) -> dict:
+    """The loading options a features manifest records for its base LM (empty for gnnlm's)."""
+    return {name: identity[name] for name in ("keys", "dtype") if identity.get(name)}
+
+
+__all__ = ["FEATURE_KEYS", "BaseLM", "Features", "hf_options", "is_hf", "load_base_lm",
+           "load_gpt_checkpoint"]

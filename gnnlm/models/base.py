@@ -21,6 +21,11 @@ from torch.nn import functional as F
 FEATURE_KEYS = ("final", "att")
 
 
+def softcap(logits: Tensor, cap: Optional[float]) -> Tensor:
+    """``cap · tanh(logits / cap)``: the final-logit soft-capping of Gemma 2/3 (None: as is)."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
 class Features(NamedTuple):
     final: Tensor                       # [B, T, d]
     att: Tensor                         # [B, T, d]
@@ -34,6 +39,7 @@ class BaseLM(nn.Module):
     context_length: int
     memory_length: int = 0
     name: str = "base-lm"
+    logit_softcap: Optional[float] = None
 
     def forward(self, input_ids: Tensor, memory: Optional[list[Tensor]] = None) -> Features:
         raise NotImplementedError

@@ -1,81 +1,251 @@
-"""Any Hugging Face causal LM (GPT-2 family, Llama-style ``layers[i].mlp``) as a base LM.
+"""Any Hugging Face causal LM as the frozen base LM, its features read at named module paths.
 
-``final`` is the base model's ``last_hidden_state`` (after its final norm). ``att`` is captured
-by a forward *pre*-hook on the last block's MLP, i.e. the normed attention-side residual that
-the FFN reads; the model's ``forward`` is left untouched.
+A key is read by a forward hook at ``<module path>:<input|output>``, the path taken from the
+top-level model (``LlamaForCausalLM``: ``model.layers.-1.mlp``; integers index module lists,
+negative ones from the end). The model's ``forward`` is never replaced. Defaults per
+``config.model_type`` (``KEY_PATHS``) follow the papers' definitions:
+
+- ``final``: the last hidden state after the final norm, what the output embedding reads
+  (GNN-LM's node feature; Khandelwal et al.'s final-layer key);
+- ``att``: the input of the last block's FFN, i.e. the normed attention-side residual
+  (Xu et al. §3). In parallel-residual blocks (GPT-NeoX/Pythia, Phi) the FFN reads the block's
+  normed input, which does not include that block's attention output.
+
+At load, one short forward pass checks that ``final`` reproduces the model's logits through the
+output embedding (bias and ``final_logit_softcapping`` included), so a wrong path fails at once.
+Log-probabilities are computed in float32 whatever dtype the weights are loaded in.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
+from functools import partial
+from typing import Any, Optional, Union
 
+import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
-from gnnlm.models.base import BaseLM, Features
+from gnnlm.models.base import FEATURE_KEYS, BaseLM, Features, softcap
+
+_LLAMA_STYLE = {"att": "model.layers.-1.mlp:input", "final": "model.norm:output"}
+KEY_PATHS: dict[str, dict[str, str]] = {
+    "gpt2": {"att": "transformer.h.-1.mlp:input", "final": "transformer.ln_f:output"},
+    "gpt_neox": {"att": "gpt_neox.layers.-1.mlp:input",
+                 "final": "gpt_neox.final_layer_norm:output"},
+    # OPT-350m projects after a post-norm stack: set final to model.decoder.project_out:output
+    "opt": {"att": "model.decoder.layers.-1.fc1:input",
+            "final": "model.decoder.final_layer_norm:output"},
+    "phi": {"att": "model.layers.-1.mlp:input", "final": "model.final_layernorm:output"},
+    **{family: _LLAMA_STYLE for family in (
+        "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+        "phi3", "olmo", "olmo2", "granite", "stablelm", "cohere")},
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CONTEXT = 1024  # a model's own context can be 128k: the features' window is a setting
 
 
-def _last_block(model: nn.Module) -> nn.Module:
-    base = model.base_model
-    for attr in ("h", "layers", "blocks"):
-        blocks = getattr(base, attr, None)
-        if isinstance(blocks, nn.ModuleList) and hasattr(blocks[-1], "mlp"):
-            return blocks[-1]
-    raise ValueError(f"Cannot find the last block's MLP in {type(model).__name__}: supported are "
-                     f"models whose base has `h`, `layers` or `blocks` with an `.mlp` (GPT-2, "
-                     f"GPT-Neo, Llama, Mistral, Qwen, ...).")
+def check_key_path(path: str, field: str) -> None:
+    module, _, side = path.rpartition(":")
+    if not module or side not in ("input", "output"):
+        raise ValueError(f"{field} must be '<module path>:input' or '<module path>:output' "
+                         f"(e.g. model.layers.-1.mlp:input), got {path!r}.")
 
 
-def _final_norm(model: nn.Module) -> nn.Module:
-    base = model.base_model
-    for attr in ("ln_f", "norm", "final_layernorm", "final_layer_norm"):
-        if isinstance(getattr(base, attr, None), nn.Module):
-            return getattr(base, attr)
-    raise ValueError(f"Cannot find the final norm of {type(model).__name__} (looked for ln_f, "
-                     f"norm, final_layernorm, final_layer_norm).")
+def find_module(model: nn.Module, path: str, field: str) -> nn.Module:
+    """The submodule at a dotted path (a key's ``:input``/``:output`` is ignored); integer parts
+    index module lists (``-1``: the last)."""
+    module = model
+    parts = path.rpartition(":")[0].split(".") if ":" in path else path.split(".")
+    for i, part in enumerate(parts):
+        try:
+            module = (module[int(part)] if part.lstrip("-").isdigit()  # type: ignore[index]
+                      else getattr(module, part))
+        except (AttributeError, IndexError, TypeError):
+            where = ".".join(parts[:i]) or type(model).__name__
+            raise ValueError(f"{field} = {path!r}: {where} has no {part!r} in "
+                             f"{type(model).__name__}; name a module of "
+                             f"`print(model)`.") from None
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"{field} = {path!r} names a {type(module).__name__}, not a "
+                             f"module.")
+    return module
+
+
+def _tensor_of(value: Any) -> Optional[Tensor]:
+    """The hidden states in a hook's input or output (a tensor, a tuple, or a ModelOutput)."""
+    if isinstance(value, Tensor):
+        return value
+    if hasattr(value, "last_hidden_state"):
+        return value.last_hidden_state
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        return value[0]
+    return None
 
 
 class HFCausalLM(BaseLM):
-    def __init__(self, model: nn.Module, name: str = "hf"):
+    """A ``transformers`` causal LM behind ``BaseLM``: features by hooks at ``keys``."""
+
+    def __init__(self, model: nn.Module, name: str = "hf",
+                 keys: Optional[dict[str, str]] = None, check: bool = True):
         super().__init__()
         self.model = model
         cfg = model.config
         self.name = f"hf:{name}"
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.hidden_size = model.get_output_embeddings().weight.shape[1]
+        self.model_type = str(getattr(cfg, "model_type", ""))
+        head = model.get_output_embeddings()
+        self.vocab_size, self.hidden_size = head.weight.shape
         self.context_length = int(getattr(cfg, "n_positions", None)
                                   or cfg.max_position_embeddings)
-        self._captured: Optional[Tensor] = None
-        _last_block(model).mlp.register_forward_pre_hook(self._capture)
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.logit_softcap = float(softcap) if softcap else None
+        self.keys = self._key_paths(keys or {})
+        self._captured: dict[str, Tensor] = {}
+        modules = {key: find_module(model, path, f"base_lm.keys.{key}")
+                   for key, path in self.keys.items()}
+        inside = set(model.base_model.modules())
+        # run only the transformer (no [B, T, V] logits) when every key lies inside it
+        self._runner = (model.base_model if all(m in inside for m in modules.values())
+                        else model)
+        for key, module in modules.items():  # partials of methods: the model still pickles
+            if self.keys[key].endswith(":input"):
+                module.register_forward_pre_hook(partial(self._capture_input, key),
+                                                 with_kwargs=True)
+            else:
+                module.register_forward_hook(partial(self._capture_output, key))
+        if check:
+            self.check_final()
 
-    def _capture(self, module: nn.Module, args: tuple) -> None:
-        self._captured = args[0]
+    def _key_paths(self, given: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(given) - set(FEATURE_KEYS))
+        if unknown:
+            raise ValueError(f"base_lm.keys names {unknown}: the keys are {list(FEATURE_KEYS)}.")
+        defaults = KEY_PATHS.get(self.model_type, {})
+        paths = {key: given.get(key) or defaults.get(key) for key in FEATURE_KEYS}
+        for key, path in paths.items():
+            if path is None:
+                raise ValueError(
+                    f"{type(self.model).__name__} (model_type {self.model_type!r}) has no "
+                    f"default feature paths: set base_lm.keys.{key} (e.g. "
+                    f"{_LLAMA_STYLE[key]!r}): the module path its {key} feature is read at.")
+            check_key_path(path, f"base_lm.keys.{key}")
+        return paths  # type: ignore[return-value]
+
+    def _capture_input(self, key: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._captured[key] = next(v for v in (*args, *kwargs.values()) if isinstance(v, Tensor))
+
+    def _capture_output(self, key: str, module: nn.Module, args: tuple, output: Any) -> None:
+        tensor = _tensor_of(output)
+        if tensor is None:
+            raise ValueError(f"base_lm.keys.{key} = {self.keys[key]!r}: the module returns "
+                             f"{type(output).__name__}, not hidden states.")
+        self._captured[key] = tensor
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, **kwargs) -> HFCausalLM:
-        from transformers import AutoModelForCausalLM
+    def from_pretrained(cls, name_or_path: str, keys: Optional[dict[str, str]] = None,
+                        dtype: Optional[str] = None,
+                        device_map: Union[str, dict, None] = None) -> HFCausalLM:
+        """Load with the model's fast attention (SDPA) where the family has it, in ``dtype``
+        (``float32``, ``bfloat16``, ``float16``; default: float32), and across devices with
+        ``device_map`` (needs ``accelerate``)."""
+        import importlib.util
 
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        if device_map is not None and importlib.util.find_spec("accelerate") is None:
+            raise ImportError("base_lm.device_map needs the `accelerate` package: pip install "
+                              "accelerate (or gnnlm[gpu]).")
+        hf_logging.disable_progress_bar()  # per-tensor loading bars would fill redirected logs
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(name_or_path)
+        kwargs: dict[str, Any] = {"dtype": DTYPES[dtype or "float32"]}
         if os.path.isdir(name_or_path) and any(
                 f.endswith(".safetensors") for f in os.listdir(name_or_path)):
-            kwargs.setdefault("use_safetensors", True)  # never unpickle when tensors exist
+            kwargs["use_safetensors"] = True  # never unpickle when tensors exist
+        if device_map is not None:
+            kwargs["device_map"] = device_map
         try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=offline,
-                                                         **kwargs)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    name_or_path, local_files_only=offline, attn_implementation="sdpa", **kwargs)
+            except ValueError as err:  # a family without an SDPA kernel: its own attention
+                if not any(word in str(err) for word in ("sdpa", "scaled_dot_product")):
+                    raise
+                model = AutoModelForCausalLM.from_pretrained(
+                    name_or_path, local_files_only=offline, **kwargs)
         except OSError as err:
             raise FileNotFoundError(f"Cannot load a Hugging Face causal LM from {name_or_path!r}: "
                                     f"{err}") from err
-        return cls(model.eval(), name=os.path.basename(os.path.normpath(name_or_path)))
+        lm = cls(model.eval(), name=os.path.basename(os.path.normpath(name_or_path)), keys=keys)
+        lm.dtype_name = dtype or "float32"
+        lm.placed = device_map is not None
+        return lm
 
     def forward(self, input_ids: Tensor, memory: Optional[list[Tensor]] = None) -> Features:
         if memory is not None:
             raise ValueError("Hugging Face base LMs do not take Transformer-XL memory.")
-        out = self.model.base_model(input_ids=input_ids, use_cache=False)
-        att, self._captured = self._captured, None
-        return Features(final=out.last_hidden_state, att=att)
+        self._captured = {}
+        first = self.model.get_input_embeddings().weight.device
+        self._runner(input_ids=input_ids.to(first), use_cache=False)
+        captured, self._captured = self._captured, {}
+        missing = [key for key in FEATURE_KEYS if key not in captured]
+        if missing:
+            raise ValueError(f"base_lm.keys.{missing[0]} = {self.keys[missing[0]]!r}: the module "
+                             f"did not run in the forward pass; name one that does.")
+        # some blocks flatten tokens before their FFN (OPT): back to [B, T, d]
+        shape = (*input_ids.shape, -1)
+        return Features(final=captured["final"].reshape(shape),
+                        att=captured["att"].reshape(shape))
+
+    @torch.no_grad()
+    def check_final(self, n_tokens: int = 8) -> None:
+        """``final`` through the output embedding must give the model's own logits."""
+        ids = torch.arange(min(n_tokens, self.vocab_size))[None] % self.vocab_size
+        was_training = self.model.training
+        self.model.eval()
+        first = self.model.get_input_embeddings().weight.device
+        reference = self.model(input_ids=ids.to(first), use_cache=False).logits.float()
+        ours = self.logits(self(ids).final)
+        self.model.train(was_training)
+        if ours.shape != reference.shape:
+            raise ValueError(f"base_lm.keys.final = {self.keys['final']!r} gives features of "
+                             f"width {ours.shape[-1]}, not what the output embedding reads.")
+        scale = reference.abs().max().clamp(min=1.0)
+        tolerance = 1e-4 if self.model.dtype == torch.float32 else 3e-2
+        error = float((ours - reference.to(ours.device)).abs().max() / scale)
+        if error > tolerance:
+            raise ValueError(f"base_lm.keys.final = {self.keys['final']!r} does not reproduce "
+                             f"the model's logits (relative error {error:.2g}): name the module "
+                             f"whose output the output embedding reads (the final norm).")
+
+    def logits(self, final: Tensor) -> Tensor:
+        """float32 logits of ``final``: ``final @ W.T + b``, soft-capped where the model is."""
+        weight, bias = self.output_embedding()
+        final = final.to(weight.device, torch.float32)
+        logits = F.linear(final, weight.float(), None if bias is None else bias.float())
+        return softcap(logits, self.logit_softcap)
+
+    def to(self, *args, **kwargs):  # type: ignore[override]
+        """A model spread over devices (``device_map``) stays where it was placed."""
+        return self if getattr(self, "placed", False) else super().to(*args, **kwargs)
 
     def last_block(self) -> list[nn.Module]:
-        return [_last_block(self.model), _final_norm(self.model)]
+        """The module holding the last block (the ``att`` path's block) and the final norm."""
+        att_block = self.keys["att"].rpartition(":")[0].split(".")
+        for end in range(len(att_block), 0, -1):  # the module list's entry on the path
+            if att_block[end - 1].lstrip("-").isdigit():
+                block = find_module(self.model, ".".join(att_block[:end]), "base_lm.keys.att")
+                break
+        else:
+            raise ValueError(f"Cannot tell the last block from base_lm.keys.att = "
+                             f"{self.keys['att']!r}: it has no block index.")
+        final = find_module(self.model, self.keys["final"], "base_lm.keys.final")
+        return [block, final]
 
     def output_embedding(self) -> tuple[Tensor, Optional[Tensor]]:
         head = self.model.get_output_embeddings()
         return head.weight, getattr(head, "bias", None)
+
+    def identity(self) -> dict:
+        return {**super().identity(), "keys": dict(self.keys),
+                "dtype": getattr(self, "dtype_name", "float32"),
+                "logit_softcap": self.logit_softcap}

@@ -1,0 +1,304 @@
+"""Hugging Face base LMs of the families people use, on tiny random-weight models built locally
+(tests/families.py): features at the papers' definitions, the model's own log-probabilities,
+each family's BOS, loading precision and placement, and the pipeline end to end on a
+WikiText-2 slice."""
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from families import FAMILIES, build_family, save_family, train_bpe
+
+from gnnlm.encode import sliding_windows
+from gnnlm.models import load_base_lm
+from gnnlm.models.hf import KEY_PATHS, HFCausalLM, find_module
+from gnnlm.tokens import HFTokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe(wikitext_root):
+    """A 512-token BPE trained on the first 300k characters of WikiText-2's train split."""
+    return train_bpe((wikitext_root / "wikitext-2" / "train.txt").read_text()[:300_000])
+
+
+def ffn_input(model, family, ids) -> torch.Tensor:
+    """The last FFN's input, captured at the norm that feeds it (not at the adapter's path)."""
+    captured = {}
+    handle = find_module(model, family.ffn_input, "test").register_forward_hook(
+        lambda module, args, out: captured.setdefault("x", out))
+    with torch.no_grad():
+        model(ids)
+    handle.remove()
+    return captured["x"].reshape(*ids.shape, -1)   # OPT flattens tokens before its FFN
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_features_are_the_papers_and_logits_the_model_s_own(name, bpe):
+    family = FAMILIES[name]
+    model, _ = build_family(family, bpe)
+    lm = HFCausalLM(model, name)
+    assert lm.keys == KEY_PATHS[model.config.model_type]
+    ids = torch.randint(0, bpe.get_vocab_size(), (2, 24))
+    with torch.no_grad():
+        feats = lm(ids)
+        clone = pickle.loads(pickle.dumps(lm))                  # spawned encoding processes
+        torch.testing.assert_close(clone(ids).att, feats.att, rtol=0, atol=0)
+        out = model(ids, output_hidden_states=True)
+        logits = lm.logits(feats.final)
+    # final: the model's own last hidden state; through W (and b, and the soft-cap) its logits
+    torch.testing.assert_close(feats.final, out.hidden_states[-1], rtol=0, atol=0)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    # att: the input of the last FFN, as the norm that feeds it returns it
+    torch.testing.assert_close(feats.att, ffn_input(model, family, ids), rtol=0, atol=0)
+    assert not torch.allclose(feats.att, feats.final, atol=1e-3)
+    assert model.forward.__func__ is type(model).forward        # hooks only: forward untouched
+    assert lm.vocab_size == bpe.get_vocab_size() + family.pad_vocab
+
+
+def test_bias_and_soft_capping_are_part_of_the_logits(bpe):
+    phi = HFCausalLM(build_family(FAMILIES["phi"], bpe)[0], "phi")
+    assert phi.output_embedding()[1] is not None                # Phi's lm_head has a bias
+    model = build_family(FAMILIES["gemma2"], bpe)[0]
+    model.config.final_logit_softcapping = 0.1      # random logits are small: cap them harder
+    gemma2 = HFCausalLM(model, "gemma2")
+    assert gemma2.logit_softcap == 0.1
+    ids = torch.randint(0, 512, (1, 16))
+    with torch.no_grad():
+        final = gemma2(ids).final
+        uncapped = torch.nn.functional.linear(final, gemma2.output_embedding()[0])
+        reference = gemma2.model(ids).logits
+    assert reference.abs().max() < 0.1 < uncapped.abs().max()
+    torch.testing.assert_close(gemma2.logits(final), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_tokenizer_opens_windows_as_its_family_was_trained(name, bpe, tmp_path):
+    family = FAMILIES[name]
+    folder = save_family(family, bpe, tmp_path / name)
+    tokenizer = HFTokenizer.from_path(str(folder))
+    assert tokenizer.bos_each_window == (family.bos is not None)
+    assert tokenizer.bos_id == bpe.token_to_id(family.bos or family.eos)
+
+
+def test_keys_by_module_path(bpe):
+    model, _ = build_family(FAMILIES["llama"], bpe)
+    ids = torch.randint(0, 512, (1, 12))
+    default = HFCausalLM(model, "llama")(ids)
+    first = HFCausalLM(model, "llama", keys={"att": "model.layers.0.mlp:input",
+                                             "final": "lm_head:input"})
+    feats = first(ids)
+    assert first._runner is model                      # lm_head is outside the transformer
+    captured = {}
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(
+        lambda module, args, out: captured.setdefault("x", out))
+    model(ids)
+    torch.testing.assert_close(feats.att, captured["x"], rtol=0, atol=0)
+    torch.testing.assert_close(feats.final, default.final, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"att": "model.layerz.-1.mlp:input"},
+     "base_lm.keys.att = 'model.layerz.-1.mlp:input': model has no 'layerz' in "
+     "LlamaForCausalLM; name a module of `print(model)`."),
+    ({"att": "model.layers.-1.mlp"},
+     "base_lm.keys.att must be '<module path>:input' or '<module path>:output' (e.g. "
+     "model.layers.-1.mlp:input), got 'model.layers.-1.mlp'."),
+    ({"final": "model.layers.-1:output"},   # before the final norm: not what W reads
+     "base_lm.keys.final = 'model.layers.-1:output' does not reproduce the model's logits"),
+    ({"ffn": "model.norm:output"}, "base_lm.keys names ['ffn']: the keys are ['final', 'att']."),
+])
+def test_a_wrong_module_path_is_one_line_naming_the_field(keys, message, bpe):
+    model, _ = build_family(FAMILIES["llama"], bpe)
+    with pytest.raises(ValueError) as err:
+        HFCausalLM(model, "llama", keys=keys)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_an_unknown_family_asks_for_the_path(bpe):
+    model, _ = build_family(FAMILIES["llama"], bpe)
+    model.config.model_type = "mystery"
+    with pytest.raises(ValueError) as err:
+        HFCausalLM(model, "mystery")
+    assert str(err.value) == (
+        "LlamaForCausalLM (model_type 'mystery') has no default feature paths: set "
+        "base_lm.keys.final (e.g. 'model.norm:output'): the module path its final feature is "
+        "read at.")
+    assert HFCausalLM(model, "mystery", keys=KEY_PATHS["llama"]).keys == KEY_PATHS["llama"]
+
+
+def test_bfloat16_weights_give_float32_log_probabilities(bpe, tmp_path):
+    folder = save_family(FAMILIES["llama"], bpe, tmp_path / "llama")
+    full = load_base_lm(f"hf:{folder}")
+    half = load_base_lm(f"hf:{folder}", {"dtype": "bfloat16"})
+    assert half.model.dtype == torch.bfloat16 and half.identity()["dtype"] == "bfloat16"
+    assert half.fingerprint() != full.fingerprint()           # other weights, other datastore
+    assert half.model.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 512, (2, 32))
+    with torch.no_grad():
+        feats = half(ids)
+        logits = half.logits(feats.final)
+        reference = torch.log_softmax(half.model(ids).logits.float(), -1)
+        exact = torch.log_softmax(full.logits(full(ids).final), -1)
+    assert feats.final.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    ours = torch.log_softmax(logits, -1)
+    assert (ours - reference).abs().max() < 0.02      # the model's bf16 logits, rounded
+    assert (ours - exact).abs().max() < 0.1           # and close to the float32 model
+
+
+def test_device_map_places_the_model_once(bpe, tmp_path):
+    folder = save_family(FAMILIES["gpt2"], bpe, tmp_path / "gpt2")
+    placed = load_base_lm(f"hf:{folder}", {"device_map": "cpu"})
+    plain = load_base_lm(f"hf:{folder}")
+    assert placed.to("meta") is placed                        # stays where accelerate put it
+    assert next(placed.parameters()).device.type == "cpu"
+    ids = torch.randint(0, 512, (1, 16))
+    torch.testing.assert_close(placed(ids).final, plain(ids).final)
+
+
+def test_options_are_for_hugging_face_models_only(tmp_path):
+    from fakes import save_lm_checkpoint
+
+    ckpt, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", vocab_size=7, context_length=8)
+    with pytest.raises(ValueError, match=r"^base_lm.dtype applies to Hugging Face models"):
+        load_base_lm(str(ckpt), {"dtype": "bfloat16"})
+
+
+# -- the pipeline, end to end, on a WikiText-2 slice ------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus_slice(wikitext_root, tmp_path_factory):
+    """The first 160k characters of train and 40k of valid and test, cut at line ends."""
+    folder = tmp_path_factory.mktemp("wt2-slice")
+    for split, chars in (("train", 160_000), ("valid", 40_000), ("test", 40_000)):
+        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
+        (folder / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
+    return folder
+
+
+# GNN-LM on one family with BOS in every window and soft-capped logits, and one without either
+GNN_FAMILIES = ("gpt2", "gemma2")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_pipeline_runs_end_to_end_on_each_family(name, bpe, corpus_slice, tmp_path):
+    from gnnlm.config import load_config
+    from gnnlm.pipeline import run
+
+    family = FAMILIES[name]
+    folder = save_family(family, bpe, tmp_path / name)
+    args = ["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
+            f"--corpus.path={corpus_slice}", f"--workdir={tmp_path / 'work'}", f"--name={name}"]
+    if name not in GNN_FAMILIES:
+        args.append("--gnn.config=null")
+    run(load_config(args))
+    work = tmp_path / "work"
+    results = json.loads((work / "reports" / name / "results.json").read_text())
+    ppl = results["ppl"]
+    # random weights: the base LM is near uniform (ppl ~ 515 over 512 tokens); retrieving the
+    # next tokens of similar contexts of real text must do better (by 3.4x for GPT-2, 1.1x for
+    # Gemma 2, whose random features separate contexts least)
+    assert ppl["knn"] < 0.95 * ppl["base"] and ppl["knn[att]"] < 0.95 * ppl["base"]
+    if name in GNN_FAMILIES:
+        assert ppl["gnn"] < 0.95 * ppl["base"] and ppl["gnn+knn"] < ppl["knn"]
+    assert results["base_lm"]["keys"] == KEY_PATHS[name]
+
+    manifest = json.loads((work / "features" / "valid" / "manifest.json").read_text())
+    assert manifest["bos_each_window"] == (family.bos is not None)
+    assert manifest["base_lm"]["keys"] == KEY_PATHS[name]
+    assert manifest["vocab_size"] == bpe.get_vocab_size() + family.pad_vocab
+    assert_log_probabilities_are_the_model_s_own(work, manifest, folder, family)
+
+
+def assert_log_probabilities_are_the_model_s_own(work, manifest, folder, family):
+    """The pipeline's ``log p_LM(target)`` against ``model(input_ids).logits`` on the same
+    windows, built here from the tokens: [BOS] + the stream where the family opens with BOS."""
+    from gnnlm.artifacts import open_array, read_manifest
+
+    tokens_manifest = read_manifest(work / "tokens")
+    tokens = np.asarray(open_array(work / "tokens", "valid", tokens_manifest), dtype=np.int64)
+    logprob = np.asarray(open_array(work / "features" / "valid", "lm_logprob", manifest))
+    model = load_base_lm(f"hf:{folder}").model
+    bos = tokens_manifest["bos_id"]
+    stream = np.concatenate([[bos], tokens])
+    C, S = manifest["config"]["context"], manifest["config"]["stride"]
+    starts, score_from = sliding_windows(len(tokens), C, S)
+    for w in (0, 1, len(starts) - 1):
+        window = torch.from_numpy(stream[starts[w]:starts[w] + C].copy())
+        if family.bos is not None:
+            window[0] = bos
+        with torch.no_grad():
+            reference = torch.log_softmax(model(window[None]).logits[0].float(), -1)
+        lo = score_from[w] - starts[w]
+        positions = np.arange(score_from[w], starts[w] + C)
+        expected = reference[lo:, :].gather(1, torch.from_numpy(tokens[positions])[:, None])
+        np.testing.assert_allclose(logprob[positions], expected[:, 0].numpy(), atol=1e-4)
+
+
+@pytest.mark.integration
+def test_the_readme_llama_config_runs_its_first_stages(bpe, corpus_slice, tmp_path):
+    """configs/hf/llama.yaml as written, with a tiny Llama in place of the real one (and its
+    smaller context): the paths, dtype and tokenizer it names are what the stages use."""
+    from gnnlm.config import load_config
+    from gnnlm.pipeline import stage_base_lm, stage_features
+    from gnnlm.workdir import Workdir
+
+    as_written = load_config(["-c", "configs/hf/llama.yaml"])
+    assert as_written.base_lm.keys == KEY_PATHS["llama"]
+    folder = save_family(FAMILIES["llama"], bpe, tmp_path / "llama")
+    cfg = load_config(["-c", "configs/hf/llama.yaml", f"--base_lm.ckpt=hf:{folder}",
+                       f"--workdir={tmp_path / 'work'}", f"--corpus.path={corpus_slice}",
+                       "--features.context=128", "--features.stride=64",
+                       "--features.max_tokens={train: 4000, valid: 1000, test: 1000}"])
+    workdir = Workdir(cfg.workdir)
+    model, store, _, location = stage_base_lm(cfg, workdir)
+    assert model.model.dtype == torch.bfloat16 and store.bos_each_window
+    stage_features(cfg, model, store, workdir, location)
+    manifest = workdir.features_manifest("valid")
+    assert manifest["base_lm"]["dtype"] == "bfloat16" and manifest["bos_each_window"]
+    assert manifest["protocol"].startswith("sliding window: context 128 (BOS first in every")
+
+
+def test_a_corpus_tokenized_with_another_vocabulary_is_refused(bpe, corpus_slice, tmp_path):
+    """Same size, other tokens: the ids would mean other words to the model."""
+    from gnnlm.config import load_config
+    from gnnlm.pipeline import stage_base_lm
+    from gnnlm.workdir import Workdir
+
+    folder = save_family(FAMILIES["gpt2"], bpe, tmp_path / "gpt2")
+    other = train_bpe((corpus_slice / "valid.txt").read_text())        # 512 other tokens
+    other.save(str(tmp_path / "other.json"))
+    args = ["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
+            f"--corpus.path={corpus_slice}", f"--workdir={tmp_path / 'work'}",
+            f"--corpus.tokenizer.path={tmp_path / 'other.json'}"]
+    with pytest.raises(ValueError) as err:
+        stage_base_lm(load_config(args), Workdir(tmp_path / "work"))
+    own = HFTokenizer.from_path(str(folder)).vocab_fingerprint()
+    mine = HFTokenizer.from_path(str(tmp_path / "other.json")).vocab_fingerprint()
+    assert str(err.value) == (
+        f"The corpus was tokenized with another vocabulary (fingerprint {mine}, tokens in "
+        f"{tmp_path / 'work' / 'tokens'}) than the base LM's own tokenizer in {folder} ({own}): "
+        f"token ids would mean different words. Use tokenizer kind 'hf' without a path (the "
+        f"model's own).")
+    assert not (tmp_path / "work" / "tokens").exists()          # the corrected run starts clean
+
+
+def test_a_context_beyond_the_model_s_is_refused(bpe, corpus_slice, tmp_path):
+    from gnnlm.config import load_config
+    from gnnlm.pipeline import stage_base_lm, stage_features
+    from gnnlm.workdir import Workdir
+
+    folder = save_family(FAMILIES["llama"], bpe, tmp_path / "llama")
+    cfg = load_config(["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
+                       f"--corpus.path={corpus_slice}", f"--workdir={tmp_path / 'work'}",
+                       "--features.context=512", "--features.stride=256"])
+    workdir = Workdir(cfg.workdir)
+    model, store, _, location = stage_base_lm(cfg, workdir)
+    with pytest.raises(ValueError) as err:
+        stage_features(cfg, model, store, workdir, location)
+    assert str(err.value) == ("features.context = 512 exceeds the base LM's context (hf:llama: "
+                              "256 positions): lower it.")
