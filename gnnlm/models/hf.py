@@ -84,8 +84,11 @@ def _tensor_of(value: Any) -> Optional[Tensor]:
 
 class HFCausalLM(BaseLM):
     """A ``transformers`` causal LM behind ``BaseLM``: features by hooks at ``keys``."""
+    model: Any               # a transformers PreTrainedModel
+    dtype_name: str = "float32"
+    placed: bool = False     # spread over devices by device_map: never moved
 
-    def __init__(self, model: nn.Module, name: str = "hf",
+    def __init__(self, model: Any, name: str = "hf",
                  keys: Optional[dict[str, str]] = None, check: bool = True):
         super().__init__()
         self.model = model
@@ -224,9 +227,9 @@ class HFCausalLM(BaseLM):
         logits = F.linear(final, weight.float(), None if bias is None else bias.float())
         return softcap(logits, self.logit_softcap)
 
-    def to(self, *args, **kwargs):  # type: ignore[override]
+    def to(self, *args, **kwargs):
         """A model spread over devices (``device_map``) stays where it was placed."""
-        return self if getattr(self, "placed", False) else super().to(*args, **kwargs)
+        return self if self.placed else super().to(*args, **kwargs)
 
     def last_block(self) -> list[nn.Module]:
         """The module holding the last block (the ``att`` path's block) and the final norm."""
@@ -246,6 +249,5 @@ class HFCausalLM(BaseLM):
         return head.weight, getattr(head, "bias", None)
 
     def identity(self) -> dict:
-        return {**super().identity(), "keys": dict(self.keys),
-                "dtype": getattr(self, "dtype_name", "float32"),
+        return {**super().identity(), "keys": dict(self.keys), "dtype": self.dtype_name,
                 "logit_softcap": self.logit_softcap}
