@@ -96,6 +96,8 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
         raise ValueError(f"Cannot tell which corpus and tokenizer the base LM {ckpt} reads: "
                          f"add a `corpus:` section to the pipeline config.")
     tokenizer = corpus.tokenizer
+    if not isinstance(tokenizer, TokenizerConfig):  # as a checkpoint saved it
+        tokenizer = TokenizerConfig(**dict(tokenizer))
     if tokenizer.kind == "hf" and not tokenizer.path:  # the Hugging Face model's own
         tokenizer = replace(tokenizer, path=ckpt.removeprefix("hf:"))
     return build_tokens(workdir.tokens, corpus.name, corpus.path, corpus.data_dir,

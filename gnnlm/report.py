@@ -99,9 +99,23 @@ def _retrieval_facts(r: dict) -> dict:
     return facts
 
 
+def base_lm_line(identity: dict) -> str:
+    """The frozen base LM: its name, weights, and for a Hugging Face model the precision and the
+    module paths its features were read at."""
+    line = (f"{identity['name']} (weights {identity['fingerprint']}, {identity['vocab_size']:,} "
+            f"outputs, width {identity['hidden_size']}")
+    if identity.get("keys"):
+        keys = ", ".join(f"{key} at {path}" for key, path in identity["keys"].items())
+        line += f", {identity.get('dtype', 'float32')} weights; {keys}"
+    if identity.get("logit_softcap"):
+        line += f"; logits soft-capped at {identity['logit_softcap']:g}"
+    return line + ")"
+
+
 def _markdown(results: dict) -> str:
     lines = [f"# {results['name']}: {results['dataset']}", "",
              f"Test tokens: {results['tokens']:,} ({results['protocol']}).", "",
+             f"Base LM: {base_lm_line(results['base_lm'])}.", "",
              "| model | valid ppl | test ppl |", "|---|---:|---:|"]
     for name, ppl in results["ppl"].items():
         valid = results["valid_ppl"].get(name)

@@ -206,6 +206,9 @@ def test_the_pipeline_runs_end_to_end_on_each_family(name, bpe, corpus_slice, tm
     if name in GNN_FAMILIES:
         assert ppl["gnn"] < 0.95 * ppl["base"] and ppl["gnn+knn"] < ppl["knn"]
     assert results["base_lm"]["keys"] == KEY_PATHS[name]
+    report = (work / "reports" / name / "results.md").read_text()
+    assert f"Base LM: hf:{name} (weights {results['base_lm']['fingerprint']}" in report
+    assert f"float32 weights; final at {KEY_PATHS[name]['final']}" in report
 
     manifest = json.loads((work / "features" / "valid" / "manifest.json").read_text())
     assert manifest["bos_each_window"] == (family.bos is not None)
