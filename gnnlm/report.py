@@ -141,8 +141,8 @@ def _markdown(results: dict) -> str:
         lines += ["", f"GNN-LM valid ppl by the number of windows each token reads at "
                       f"evaluation (chosen: k = {curve['chosen']}, reported on test):", "",
                   "| k | valid ppl | seconds |", "|---:|---:|---:|"]
-        lines += [f"| {k} | {ppl:.2f} | {curve['seconds'][k]} |"
-                  for k, ppl in curve["valid_ppl"].items()]
+        lines += [f"| {k} | {curve['valid_ppl'][k]:.2f} | {curve['seconds'][k]} |"
+                  for k in sorted(curve["valid_ppl"], key=int)]  # JSON gives keys as text
     lines += spalm_markdown(results.get("spalm_xl_analysis"), row_name("spalm_xl"))
     lines += _ablation_markdown(results.get("ablations"))
     lines += ["", "Retrieval:", ""]

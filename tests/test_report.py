@@ -45,3 +45,23 @@ def test_row_names():
     assert row_name("learned_wds+base") == "base LM + learned W_ds"
     assert row_name("learned_wds[n=4]+base") == "base LM + learned W_ds (n = 4)"
     assert row_name("something-new") == "something-new"
+
+
+def test_the_report_names_the_base_lm_and_lists_k_in_numeric_order():
+    from gnnlm.report import _markdown
+
+    results = {
+        "name": "run", "dataset": "corpus", "tokens": 1000, "protocol": "sliding window",
+        "base_lm": {"name": "hf:gemma", "fingerprint": "abc", "vocab_size": 512,
+                    "hidden_size": 32, "dtype": "bfloat16", "logit_softcap": 30.0,
+                    "keys": {"final": "model.norm:output", "att": "model.layers.-1.mlp:input"}},
+        "ppl": {"base": 10.0}, "valid_ppl": {"base": 11.0}, "hparams": {}, "retrieval": {},
+        "timing_s": {},
+        # as a head's manifest gives it back: JSON object keys are text, sorted as text
+        "gnn_eval_k": {"chosen": 32, "valid_ppl": {"128": 9.0, "16": 8.0, "32": 7.0},
+                       "seconds": {"128": 3.0, "16": 1.0, "32": 2.0}}}
+    text = _markdown(results)
+    assert ("Base LM: hf:gemma (weights abc, 512 outputs, width 32, bfloat16 weights; final at "
+            "model.norm:output, att at model.layers.-1.mlp:input; logits soft-capped at 30).") \
+        in text
+    assert "| 16 | 8.00 | 1.0 |\n| 32 | 7.00 | 2.0 |\n| 128 | 9.00 | 3.0 |" in text
