@@ -102,8 +102,8 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
             raise ValueError(f"train_tokens={n} but the train neighbours in {values.dir} cover "
                              f"only the first {values.n} positions: lower train_tokens or build "
                              f"neighbours for more train queries.")
-        data = WithNeighborValues(Blocks(self._stream("train", n), hp.block_size,
-                                                   self.window_bos), values)
+        blocks = Blocks(self._stream("train", n), hp.block_size, self.window_bos)
+        data = WithNeighborValues(blocks, values)
         return DataLoader(data, batch_size=hp.batch_size, shuffle=True, drop_last=True,
                           num_workers=hp.num_workers)
 

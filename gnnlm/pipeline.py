@@ -63,7 +63,7 @@ def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
     Pythia, Qwen2, Phi, OPT): the extra rows are never targets, and keeping them in the softmax
     keeps the model's own probabilities. When the model's folder has its own tokenizer, the
     corpus's must be that one, token for token."""
-    hf = ckpt.startswith("hf:")
+    hf = is_hf(ckpt)
     if store.vocab_size > model.vocab_size or (not hf and store.vocab_size != model.vocab_size):
         raise ValueError(f"The base LM {model.name} has {model.vocab_size} outputs but the "
                          f"tokenizer of the corpus has {store.vocab_size} types: they must "

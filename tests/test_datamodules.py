@@ -316,3 +316,20 @@ def test_lm_data_module_serves_windows_or_segments(tmp_path):
     test = segments.test_dataloader()
     assert isinstance(test.dataset, StreamSegments) and test.dataset.n_streams == 3
     assert sum(int(b["mask"].sum()) for b in test) == 7 * 5
+
+
+def test_windows_and_blocks_open_with_bos_for_models_trained_so():
+    from datamodules.lm import Blocks, SlidingWindows
+
+    stream = torch.arange(1, 22)                       # [bos] + 20 tokens
+    windows = SlidingWindows(stream, 8, 4, bos_id=0)
+    plain = SlidingWindows(stream, 8, 4)
+    for w in range(len(windows)):
+        item, reference = windows[w], plain[w]
+        assert item["input"][0] == 0 and torch.equal(item["input"][1:], reference["input"][1:])
+        assert torch.equal(item["mask"], reference["mask"]) and item["mask"][0] == float(w == 0)
+    assert plain[1]["input"][0] != 0                   # the stream itself is untouched
+    blocks = Blocks(stream, 5, bos_id=0)
+    assert [b["input"][0].item() for b in blocks] == [0, 0, 0, 0]
+    assert [b["mask"][0].item() for b in blocks] == [1.0, 0.0, 0.0, 0.0]  # BOS alone: unscored
+    assert torch.equal(blocks[2]["target"], Blocks(stream, 5)[2]["target"])

@@ -73,6 +73,13 @@ def test_bias_and_soft_capping_are_part_of_the_logits(bpe):
         reference = gemma2.model(ids).logits
     assert reference.abs().max() < 0.1 < uncapped.abs().max()
     torch.testing.assert_close(gemma2.logits(final), reference, rtol=1e-5, atol=1e-5)
+    # heads that start as the base LM (SPALM's gate at g = 1) apply the same cap after W
+    from gnnlm.heads import SpalmGate
+
+    h = final[0]
+    gated, _ = SpalmGate(32)(h, torch.full((16, 4), -1), *gemma2.output_embedding(),
+                             force_gate=1.0, logit_softcap=gemma2.logit_softcap)
+    torch.testing.assert_close(gated, reference[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
