@@ -17,6 +17,7 @@ Log-probabilities are computed in float32 whatever dtype the weights are loaded 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from functools import partial
 from typing import Any, Optional, Union
@@ -150,8 +151,6 @@ class HFCausalLM(BaseLM):
         """Load with the model's fast attention (SDPA) where the family has it, in ``dtype``
         (``float32``, ``bfloat16``, ``float16``; default: float32), and across devices with
         ``device_map`` (needs ``accelerate``)."""
-        import importlib.util
-
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
