@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.sampling import eval_sampler
-from gnnlm.encode import protocol, sliding_windows, stream_tensor
+from gnnlm.encode import open_with_bos, protocol, sliding_windows, stream_tensor
 from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
 from gnnlm.workdir import Workdir
 
@@ -47,8 +47,7 @@ class Blocks(Dataset):
         item = {"input": chunk[:-1], "target": chunk[1:],
                 "positions": torch.arange(i * self.T, (i + 1) * self.T)}
         if self.bos_id is not None:
-            item["input"] = item["input"].clone()
-            item["input"][0] = self.bos_id
+            item["input"] = open_with_bos(item["input"], self.bos_id)
             item["mask"] = torch.ones(self.T)
             item["mask"][0] = float(i == 0)
         return item
@@ -73,10 +72,7 @@ class SlidingWindows(Dataset):
         chunk = self.stream[s: s + self.context + 1]
         mask = torch.zeros(self.context)
         mask[int(self.score_from[w]) - s:] = 1.0
-        inputs = chunk[:-1]
-        if self.bos_id is not None:
-            inputs = inputs.clone()
-            inputs[0] = self.bos_id
+        inputs = chunk[:-1] if self.bos_id is None else open_with_bos(chunk[:-1], self.bos_id)
         return {"input": inputs, "target": chunk[1:], "mask": mask,
                 "positions": torch.arange(s, s + self.context)}
 

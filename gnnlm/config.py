@@ -35,7 +35,7 @@ from gnnlm.knn import (
 )
 from gnnlm.knn_cache import check_scores
 from gnnlm.models.base import FEATURE_KEYS
-from gnnlm.models.hf import DTYPES, check_key_path
+from gnnlm.models.hf import DTYPES, check_keys
 from gnnlm.neighbors import NeighborsConfig
 from gnnlm.pq import PQConfig
 from gnnlm.ranks import check_devices
@@ -93,11 +93,7 @@ class BaseLMStage:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"base_lm.dtype must be one of {sorted(DTYPES)} (got "
                              f"{self.dtype!r}).")
-        for key, path in (self.keys or {}).items():
-            if key not in FEATURE_KEYS:
-                raise ValueError(f"base_lm.keys names {key!r}: the keys are "
-                                 f"{list(FEATURE_KEYS)}.")
-            check_key_path(path, f"base_lm.keys.{key}")
+        check_keys(self.keys or {})
 
     def options(self) -> dict:
         """What ``load_base_lm`` takes besides the path."""

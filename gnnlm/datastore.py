@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gnnlm.artifacts import ArtifactBuilder, ArtifactError, open_array, read_manifest
-from gnnlm.encode import encode_windows, protocol, sliding_windows
+from gnnlm.encode import encode_windows, open_with_bos, protocol, sliding_windows
 from gnnlm.models.base import FEATURE_KEYS, BaseLM
 from gnnlm.ranks import Devices, Rank, run_on_ranks
 from gnnlm.shards import ShardedJob, totals
@@ -229,8 +229,6 @@ def encode_text_positions(model: BaseLM, ids: np.ndarray, bos_id: int,
     the model reads one first in every window), float32 [rows, d]: row t predicts the token
     after stream[t], the last row the token after the text (for ``explain``)."""
     stream = torch.from_numpy(np.concatenate([[bos_id], ids]).astype(np.int64))[None]
-    stream = stream[:, -model.context_length:].clone()
-    if bos_each_window:
-        stream[0, 0] = bos_id
-    feats = model.eval()(stream)
+    stream = stream[:, -model.context_length:]
+    feats = model.eval()(open_with_bos(stream, bos_id) if bos_each_window else stream)
     return {"final": feats.final[0].float().numpy(), "att": feats.att[0].float().numpy()}

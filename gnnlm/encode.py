@@ -60,6 +60,14 @@ def sliding_windows(n_positions: int, context: int, stride: int) -> tuple[np.nda
     return starts, score_from
 
 
+def open_with_bos(windows: Tensor, bos_id: int) -> Tensor:
+    """A copy of ``windows [..., C]`` whose first slot is BOS (models trained with a BOS before
+    every sequence; see the module docstring)."""
+    windows = windows.clone()
+    windows[..., 0] = bos_id
+    return windows
+
+
 def stream_tensor(tokens: np.ndarray, bos_id: int) -> Tensor:
     """``[bos] + tokens`` as int64, the input stream whose position t predicts tokens[t]."""
     stream = np.empty(len(tokens) + 1, dtype=np.int64)
@@ -100,9 +108,7 @@ def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int,
     for b in range(lo, hi, batch_size):
         w = np.arange(b, min(b + batch_size, hi))
         idx = torch.from_numpy(starts[w])[:, None] + torch.arange(context)[None, :]  # [B, C]
-        inputs = stream[idx]
-        if bos_each_window:
-            inputs[:, 0] = bos_id
+        inputs = open_with_bos(stream[idx], bos_id) if bos_each_window else stream[idx]
         feats = model(inputs.to(device))
         offsets = score_from[w] - starts[w]                       # first scored slot per window
         ends = np.minimum(starts[w] + context, n) - starts[w]

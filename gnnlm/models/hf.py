@@ -52,6 +52,15 @@ def check_key_path(path: str, field: str) -> None:
                          f"(e.g. model.layers.-1.mlp:input), got {path!r}.")
 
 
+def check_keys(keys: dict[str, str]) -> None:
+    """``base_lm.keys`` names only the feature keys, each as ``<module path>:input|output``."""
+    unknown = sorted(set(keys) - set(FEATURE_KEYS))
+    if unknown:
+        raise ValueError(f"base_lm.keys names {unknown}: the keys are {list(FEATURE_KEYS)}.")
+    for key, path in keys.items():
+        check_key_path(path, f"base_lm.keys.{key}")
+
+
 def find_module(model: nn.Module, path: str, field: str) -> nn.Module:
     """The submodule at a dotted path (a key's ``:input``/``:output`` is ignored); integer parts
     index module lists (``-1``: the last)."""
@@ -120,9 +129,7 @@ class HFCausalLM(BaseLM):
             self.check_final()
 
     def _key_paths(self, given: dict[str, str]) -> dict[str, str]:
-        unknown = sorted(set(given) - set(FEATURE_KEYS))
-        if unknown:
-            raise ValueError(f"base_lm.keys names {unknown}: the keys are {list(FEATURE_KEYS)}.")
+        check_keys(given)
         defaults = KEY_PATHS.get(self.model_type, {})
         paths = {key: given.get(key) or defaults.get(key) for key in FEATURE_KEYS}
         for key, path in paths.items():
@@ -131,7 +138,6 @@ class HFCausalLM(BaseLM):
                     f"{type(self.model).__name__} (model_type {self.model_type!r}) has no "
                     f"default feature paths: set base_lm.keys.{key} (e.g. "
                     f"{_LLAMA_STYLE[key]!r}): the module path its {key} feature is read at.")
-            check_key_path(path, f"base_lm.keys.{key}")
         return paths  # type: ignore[return-value]
 
     def _capture_input(self, key: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
