@@ -45,9 +45,9 @@ def synthetic_keys(n: int, d: int, centres: int, seed: int, rank: int = 8) -> np
     return x
 
 
-def write_features(path: Path, x: np.ndarray) -> None:
+def write_features(path: Path, x: np.ndarray, split: str = "train") -> None:
     n, d = x.shape
-    builder = ArtifactBuilder(path, kind="features", config={"split": "train"}, inputs={
+    builder = ArtifactBuilder(path, kind="features", config={"split": split}, inputs={
         "base_lm": "synthetic", "data": hashlib.sha256(x[:1000].tobytes()).hexdigest()[:16]})
     with builder:
         for key in ("final", "att"):
@@ -89,6 +89,8 @@ def main() -> None:
         tmp = Path(tmp)
         workdir = Workdir(tmp)
         write_features(workdir.features("train"), keys)
+        # held-out queries for the index's recall measurement (never the train keys themselves)
+        write_features(workdir.features("valid"), queries, split="valid")
         t0 = time.perf_counter()
         manifest = build_index(workdir, "final", args.metric, IndexConfig(
             factory=args.factory, recall_queries=500))

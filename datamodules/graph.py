@@ -9,8 +9,11 @@ the PQ codes of the ``key`` features.
 
 Train graphs follow the leakage rule of ``gnnlm.graph``: no node has read, or is, the target of
 any ctx token it can reach (retrieved tokens that would are replaced by the next of the K stored
-neighbours). Blocks partition each split, so evaluation scores every token exactly once, the
-same tokens as the base LM and kNN-LM.
+neighbours). A leakage window of 0 (``neighbors.leakage_window: 0``, recorded in the train
+neighbours' manifest, or this module's ``leakage_window=0``) is the no-masking ablation: train
+graphs then drop and replace nothing, ``leakage_window`` is None and the leakage counts are 0.
+Blocks partition each split, so evaluation scores every token exactly once, the same tokens as
+the base LM and kNN-LM.
 
 Valid/test blocks leave their windows out (``eval_windows="once"``, ``gnnlm.graph.
 build_context_graph``): each token names the k train positions it retrieved, and the GNN-LM
@@ -52,12 +55,13 @@ class GraphBlocks(Dataset):
     def __init__(self, workdir: Workdir, split: str, key: str, metric: str, node_features,
                  block_size: int, graph: GraphConfig, leakage_context: Optional[int],
                  max_tokens: Optional[int] = None):
-        if node_features is None and leakage_context is not None:
+        if node_features is None and leakage_context:
             raise ValueError("Blocks without window nodes are evaluation blocks: the leakage "
                              "rule of train graphs drops nodes per token.")
         self.workdir, self.split, self.key = workdir, split, key
         self.node_features, self.block_size, self.graph = node_features, block_size, graph
-        self.leakage_context = leakage_context
+        # 0 masks nothing (the no-masking ablation): recorded as None, no rule at all
+        self.leakage_context = leakage_context if leakage_context else None
         self.n_train = workdir.n_positions("train")
         self.nbr_dir = workdir.neighbors(key, metric, split)
         nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
@@ -108,7 +112,9 @@ class GraphDataModule(pl.LightningDataModule):
                  eval_ks: Optional[list[int]] = None):
         """``key`` is the node feature and the retrieval key (GNN-LM uses ``final``), ``metric``
         the similarity its neighbours were searched with. ``leakage_window`` (C, how many tokens
-        back a train feature has read) defaults to the one the neighbour files were masked with.
+        back a train feature has read) defaults to the one the neighbour files were masked with;
+        0 (given, or recorded by neighbours built with ``neighbors.leakage_window: 0``) masks
+        nothing.
         ``graph`` also chooses the inter edges (``inter``). ``train_tokens``/``eval_tokens`` keep
         split prefixes. ``eval_windows``: valid/test blocks whose windows the model computes
         once per retrieved position (``"once"``), or one window per retrieval. ``eval_ks``: the
@@ -164,11 +170,14 @@ class GraphDataModule(pl.LightningDataModule):
         return max(s for s in schedule if s[0] <= epoch)[1]
 
     @property
-    def leakage_window(self) -> int:
+    def leakage_window(self) -> Optional[int]:
         """C of the leakage rule: how many tokens back a train feature has read (default: the
-        W the train neighbours were masked with, the features' context length)."""
-        return (self.hparams.leakage_window if self.hparams.leakage_window is not None
-                else self.train_neighbors["leakage_window"])
+        W the train neighbours were masked with, the features' context length). None when
+        masking is off: 0 given or recorded (the ablation ``neighbors.leakage_window: 0``), or
+        train neighbours recorded as unmasked."""
+        window = (self.hparams.leakage_window if self.hparams.leakage_window is not None
+                  else self.train_neighbors["leakage_window"])
+        return window if window else None  # 0 is "no masking", not a rule with C = 0
 
     def dataset(self, split: str, k: Optional[int] = None) -> GraphBlocks:
         """Train blocks with their windows under the leakage rule; valid/test blocks without

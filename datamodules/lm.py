@@ -20,7 +20,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.sampling import eval_sampler
-from gnnlm.encode import open_with_bos, protocol, sliding_windows, stream_tensor
+from gnnlm import protocols
+from gnnlm.encode import open_with_bos, sliding_windows, stream_tensor
+from gnnlm.protocols import Protocol
 from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
 from gnnlm.workdir import Workdir
 
@@ -124,9 +126,13 @@ class LMDataModule(pl.LightningDataModule):
                                               data_dir, tokenizer)
         self.vocab_size = self.store.vocab_size
 
-    @property
-    def protocol(self) -> str:
-        return protocol(self.hparams.eval_context, self.hparams.eval_stride)
+    def scoring_protocol(self, memory: int = 0) -> Protocol:
+        """How valid/test are scored by a model with ``memory`` cached states: sliding windows,
+        or segments of eval_batch_size x processes streams (a memory model)."""
+        hp = self.hparams
+        if self._memory_model():
+            return protocols.segments(hp.block_size, hp.eval_batch_size * self._world(), memory)
+        return protocols.sliding_window(hp.eval_context, hp.eval_stride)
 
     def stream(self, split: str) -> torch.Tensor:
         tokens = self.store.split(split)

@@ -19,10 +19,12 @@ from torch.utils.data import DataLoader, Dataset
 from datamodules.features import NeighborValues
 from datamodules.lm import Blocks, SlidingWindows
 from datamodules.sampling import eval_sampler
+from gnnlm import protocols
 from gnnlm.artifacts import ArtifactError, read_manifest
 from gnnlm.datastore import open_features
-from gnnlm.encode import protocol, stream_tensor
+from gnnlm.encode import stream_tensor
 from gnnlm.models import hf_options
+from gnnlm.protocols import Protocol
 from gnnlm.workdir import SPLITS, Workdir
 
 
@@ -82,9 +84,9 @@ class RetrievalWindowsDataModule(pl.LightningDataModule):
                                 f"where their base LM is: pass base_lm_path.")
         return location if location.startswith("hf:") else str(self.workdir.resolve(location))
 
-    @property
-    def protocol(self) -> str:
-        return protocol(self.context, self.stride, self.window_bos is not None)
+    def scoring_protocol(self, memory: int = 0) -> Protocol:
+        """How valid/test are scored: the datastore's sliding windows."""
+        return protocols.sliding_window(self.context, self.stride, self.window_bos is not None)
 
     def _values(self, split: str) -> NeighborValues:
         hp = self.hparams

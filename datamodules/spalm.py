@@ -8,11 +8,13 @@ base LM are those of the datastore: the token stream of split s is ``[bos] + tar
 for leakage when they were built). Train uses the prefix of train positions that have
 neighbours (or ``train_tokens`` of it); valid/test use every position.
 
-Each split is cut into S contiguous streams (S = batch size x world size) served segment by
-segment (``datamodules.lm.StreamSegments``): batch j holds segment j of the same streams as
-batch j - 1, so a model's memory flows from one batch to the next, and every position of a
-split is scored exactly once (padding is masked). This is how Transformer-XL is evaluated; a
-model without memory reads each segment alone.
+Each split is cut into S contiguous streams served segment by segment
+(``datamodules.lm.StreamSegments``): batch j holds segment j of the same streams as batch
+j - 1, so a model's memory flows from one batch to the next, and every position of a split is
+scored exactly once (padding is masked). This is how Transformer-XL is evaluated; a model
+without memory reads each segment alone. Every stream starts cold, so the scores depend on S:
+valid/test use ``eval_streams`` streams in all, shared among the processes, so that the
+protocol (``scoring_protocol``, recorded with every row) is the same on one device or eight.
 """
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ from torch.utils.data import DataLoader
 from datamodules.features import NeighborValues
 from datamodules.lm import StreamSegments
 from datamodules.sampling import eval_sampler
+from gnnlm import protocols
 from gnnlm.artifacts import ArtifactError, read_manifest
 from gnnlm.datastore import open_features
 from gnnlm.encode import stream_tensor
+from gnnlm.protocols import Protocol
 from gnnlm.workdir import SPLITS, Workdir
 
 
@@ -60,18 +64,22 @@ class SegmentsWithValues(StreamSegments):
 class SpalmDataModule(pl.LightningDataModule):
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  retrieved: int = 16, block_size: int = 512, batch_size: int = 16,
-                 eval_batch_size: int = 16, train_tokens: Optional[int] = None,
+                 eval_streams: int = 16, train_tokens: Optional[int] = None,
                  num_workers: int = 0, base_lm_path: Optional[str] = None,
                  predict_split: str = "test"):
         """``retrieved``: how many retrieved next tokens each position carries, from the
         neighbours of the ``key`` features under ``metric`` (0: none; at most the stored K; at
         least the model's k and the largest k of its k curve). ``block_size``: the segment
-        length T; ``batch_size``/``eval_batch_size``: the parallel streams per device.
+        length T; ``batch_size``: the parallel train streams per device; ``eval_streams``: the
+        parallel valid/test streams in all (each of W processes reads eval_streams / W of them,
+        so W must divide it).
         ``train_tokens`` keeps a train prefix (at most what the train neighbours cover);
         ``base_lm_path`` overrides where the base LM the features record is loaded from."""
         super().__init__()
         if retrieved < 0:
             raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
+        if eval_streams < 1:
+            raise ValueError(f"eval_streams must be >= 1 (got {eval_streams}).")
         self.save_hyperparameters()
         self.workdir = Workdir(workdir)
         try:
@@ -108,11 +116,9 @@ class SpalmDataModule(pl.LightningDataModule):
             return asked or self.train_covered
         return int(self.manifests[split]["n"])
 
-    @property
-    def protocol(self) -> str:
-        return (f"Transformer-XL segments: each split cut into {self.hparams.eval_batch_size} "
-                f"contiguous streams per device, read in segments of {self.hparams.block_size} "
-                f"with memory carried from one segment to the next; every token scored once")
+    def scoring_protocol(self, memory: int) -> Protocol:
+        """How valid/test are scored by a model with ``memory`` cached states per layer."""
+        return protocols.segments(self.hparams.block_size, self.hparams.eval_streams, memory)
 
     def _values(self, split: str) -> Optional[NeighborValues]:
         hp = self.hparams
@@ -131,23 +137,33 @@ class SpalmDataModule(pl.LightningDataModule):
         stream = stream_tensor(np.asarray(targets[:n]), self.bos_id)
         return SegmentsWithValues(stream, n_streams, self.hparams.block_size, self._values(split))
 
-    def _loader(self, split: str, batch_size: int) -> DataLoader:
+    def _loader(self, split: str) -> DataLoader:
         """Rank r of W reads items r, r + W, … (streams r, r + W, … of every segment), in
-        order: S = batch_size x W streams divide evenly, so no rank reads an item twice."""
+        order: the S streams divide evenly among the ranks, so no rank reads an item twice.
+        Train reads batch_size x W streams; valid/test read eval_streams whatever W is."""
         world = self.trainer.world_size if self.trainer is not None else 1
-        data = self.segments(split, batch_size * world)
+        if split == "train":
+            batch_size = self.hparams.batch_size
+            n_streams = batch_size * world
+        else:
+            n_streams = self.hparams.eval_streams
+            if n_streams % world:
+                raise ValueError(f"eval_streams = {n_streams} must be a multiple of the "
+                                 f"{world} processes (each reads as many streams).")
+            batch_size = n_streams // world
+        data = self.segments(split, n_streams)
         return DataLoader(data, batch_size=batch_size, shuffle=False,
                           num_workers=self.hparams.num_workers,
                           sampler=None if split == "train" else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.hparams.batch_size)
+        return self._loader("train")
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("valid", self.hparams.eval_batch_size)
+        return self._loader("valid")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.hparams.eval_batch_size)
+        return self._loader("test")
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.hparams.predict_split, self.hparams.eval_batch_size)
+        return self._loader(self.hparams.predict_split)

@@ -30,7 +30,8 @@ drops every window node q that has read the target t_i of any ctx token i ≥ j 
 next of the K stored neighbours take their place, so a token keeps k windows when it can; window
 mates that fall under it are dropped alone, and only nodes adjacent in position and both present
 are joined. (With ``ctx_window`` or a single layer the reach is smaller and the rule is
-conservative.)
+conservative.) ``leakage_context=0`` masks nothing, as ``neighbors.leakage_window: 0`` does for
+the neighbour files (an ablation only): the graph drops and replaces no node.
 
 Evaluation can leave the windows out (``build_context_graph``). Edges go nbr → nbr inside one
 window and nbr → ctx, never ctx → nbr, and valid/test graphs drop no node, so at evaluation a
@@ -171,7 +172,8 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
         config: window sizes, k, the ctx window and the inter edges.
         leakage_context: C for train-split graphs (the context length the features were
             computed with): drop every node that has read a reachable ctx token's target (see
-            the module docstring). None for valid/test graphs.
+            the module docstring). None for valid/test graphs; 0 (the no-masking ablation)
+            masks nothing either.
 
     Node attributes (all int64): ``ctx.split_pos`` [T]; ``nbr.train_pos``, ``nbr.offset``
     (−l … r, 0 = the retrieved token), ``nbr.rank`` (0 … k−1, the window's slot) and
@@ -186,16 +188,19 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     T = ctx_pos.shape[0]
     if leakage_context is not None and leakage_context < 0:
         raise ValueError(f"leakage_context must be >= 0 or None (got {leakage_context}).")
+    # None (valid/test) and 0 (neighbors.leakage_window: 0, the no-masking ablation) mask
+    # nothing: 0 is not a rule with C = 0, which would still drop every reachable target
+    C = leakage_context or 0
 
     # the k windows per token: retrieved tokens that leak are skipped for the next ones
     rows = np.arange(T)[:, None]
     usable = None
     windows_masked = 0
-    if leakage_context is not None:
-        usable = ~leaky(nbr_ids, np.broadcast_to(rows, nbr_ids.shape), ctx_pos, leakage_context)
+    if C:
+        usable = ~leaky(nbr_ids, np.broadcast_to(rows, nbr_ids.shape), ctx_pos, C)
         unmasked = select_neighbors(nbr_ids, config.k)
         windows_masked = int(((unmasked >= 0) & leaky(
-            unmasked, np.broadcast_to(rows, unmasked.shape), ctx_pos, leakage_context)).sum())
+            unmasked, np.broadcast_to(rows, unmasked.shape), ctx_pos, C)).sum())
     ids = select_neighbors(nbr_ids, config.k, usable)                  # [T, k]
 
     # neighbour windows, laid out [T, k, width]: node ids follow this row-major order
@@ -203,8 +208,8 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     q = ids[:, :, None] + offsets                                      # [T, k, width]
     keep = (ids[:, :, None] >= 0) & (q >= 0) & (q < n_train)           # [T, k, width]
     nodes_masked = 0
-    if leakage_context is not None:
-        masked = keep & leaky(q, rows[:, :, None], ctx_pos, leakage_context)
+    if C:
+        masked = keep & leaky(q, rows[:, :, None], ctx_pos, C)
         nodes_masked = int(masked.sum())
         keep &= ~masked
     node = (np.cumsum(keep) - 1).reshape(keep.shape)                   # [T, k, width]

@@ -13,6 +13,13 @@ from torch.nn import functional as F
 from gnnlm.models.base import softcap
 
 
+def float32(h: Tensor) -> torch.autocast:
+    """A region where mixed-precision autocast is off: the heads' softmaxes over the vocabulary
+    are computed in float32 (as the base LM's log-probabilities are) even when a bf16 trainer
+    preset runs the rest of the model under autocast."""
+    return torch.autocast(h.device.type, enabled=False)
+
+
 class SpalmGate(nn.Module):
     r"""SPALM long-term memory (Yogatama et al. 2021, §2).
 
@@ -26,15 +33,20 @@ class SpalmGate(nn.Module):
     shared by input and output (here: the frozen base LM's output embedding). The gate is a
     vector g_t ∈ (0, 1)^d, one value per dimension (SPALM §5.3: "the g vector has 512
     dimensions"), so some dimensions can carry memory while others keep the local context.
-    W_g has a bias (``gate_bias``, default 2.0: g starts near 0.88 and W_g at zero), so
-    training starts close to the base LM rather than halfway to an untrained memory.
+    W_g starts at zero, so g starts at 1/2.
+
+    ``gate_bias``: None is the paper's gate, σ(W_g h_t) with no bias. A number adds a learned
+    bias b started there, σ(W_g h_t + b) — a deviation from the paper that lets a model built
+    on a trained LM start close to it (b = 2: g ≈ 0.88) rather than halfway to an untrained
+    memory; the report names it in the row's label.
     """
 
-    def __init__(self, dim: int, gate_bias: float = 2.0):
+    def __init__(self, dim: int, gate_bias: Optional[float] = None):
         super().__init__()
-        self.gate = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim, bias=gate_bias is not None)
         nn.init.zeros_(self.gate.weight)
-        nn.init.constant_(self.gate.bias, gate_bias)
+        if gate_bias is not None:
+            nn.init.constant_(self.gate.bias, gate_bias)
 
     def forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
                 force_gate: Optional[float] = None, value_weight: Optional[Tensor] = None,
@@ -46,7 +58,18 @@ class SpalmGate(nn.Module):
         tensor lets a caller follow or cut the gradient of each path on its own).
         ``memory_scale`` (a scalar or [d]) multiplies m_t before the gate (None: the paper's
         m_t; ``gnnlm.spalm`` says why a warm-started model needs it). ``logit_softcap``: the
-        base LM's final-logit soft-capping (Gemma 2), so that g = 1 is the base LM."""
+        base LM's final-logit soft-capping (Gemma 2), so that g = 1 is the base LM.
+        Computed in float32 whatever the autocast around it."""
+        with float32(h):
+            return self._forward(h.float(), nbr_values, weight.float(),
+                                 None if bias is None else bias.float(), force_gate,
+                                 None if value_weight is None else value_weight.float(),
+                                 memory_scale, logit_softcap)
+
+    def _forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
+                 force_gate: Optional[float], value_weight: Optional[Tensor],
+                 memory_scale: Optional[Tensor], logit_softcap: Optional[float]
+                 ) -> tuple[Tensor, Tensor]:
         valid = nbr_values >= 0                                           # [B, K]
         table = weight if value_weight is None else value_weight
         y = table[nbr_values.clamp(min=0)]                                # [B, K, d]
@@ -77,6 +100,7 @@ class MultiEmbeddingSoftmax(nn.Module):
         self.weight = nn.Parameter(torch.randn(n * vocab_size, dim) * 0.02)
 
     def forward(self, h: Tensor) -> Tensor:
-        """``h [B, d]`` → log p_ds ``[B, V]``."""
-        logp = torch.log_softmax(h @ self.weight.T, dim=-1)               # [B, n·V]
-        return logp.view(-1, self.n, self.vocab_size).logsumexp(dim=1)    # [B, V]
+        """``h [B, d]`` → log p_ds ``[B, V]``, in float32 whatever the autocast around it."""
+        with float32(h):
+            logp = torch.log_softmax(h.float() @ self.weight.float().T, dim=-1)  # [B, n·V]
+            return logp.view(-1, self.n, self.vocab_size).logsumexp(dim=1)     # [B, V]

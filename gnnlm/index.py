@@ -3,8 +3,9 @@
 ``build_index(workdir, config)`` writes ``workdir.index(key, metric)``: ``index.faiss`` (always a
 CPU index, whatever device built it) and a manifest recording the key type (``final``/``att``),
 the metric, the factory string actually used, shapes, timings, the features' base LM (so an index
-over another model's features is refused) and recall@k against exact search on sampled train
-keys. Searching is ``gnnlm.search.Searcher``.
+over another model's features is refused) and the search settings' recall against exact search
+on held-out queries, the valid split's features (``gnnlm.tuning``; train keys would find
+themselves). Searching is ``gnnlm.search.Searcher``.
 
 The build trains once on a seeded sample, then adds keys in fixed chunks; after each chunk the
 partial index is written into the ``.partial`` folder and progress is recorded, so a killed build
@@ -39,10 +40,11 @@ MIN_POINTS_PER_CENTROID = 39
 class IndexConfig:
     """How the index over train keys is built (``factory="auto"``: see ``auto_factory``). After
     the build, every search setting (``nprobe`` x ``rerank``, see ``gnnlm.tuning``) is measured
-    on ``recall_queries`` held-out queries (the valid features when they exist) against exact
-    search; the manifest records the table and the fastest setting reaching ``target_recall``
-    (recall@10), which the neighbours stage uses unless told otherwise. The key type and the
-    similarity are the pipeline's (``knn.keys``, ``knn.metric``)."""
+    on ``recall_queries`` held-out queries (the valid features, which must exist; 0 skips the
+    measurement) against exact search; the manifest records the table and the fastest setting
+    reaching ``target_recall`` (recall@10) that GPU faiss can run, which the neighbours stage
+    uses unless told otherwise. The key type and the similarity are the pipeline's
+    (``knn.keys``, ``knn.metric``)."""
     factory: str = "auto"
     target_recall: float = 0.9
     code_budget_gb: float = 8.0
@@ -145,15 +147,25 @@ def _write_index(index: faiss.Index, path: Path, on_gpu: bool) -> None:
 
 
 def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | None = None,
-                rebuild: bool = False, stop_after_chunks: int | None = None) -> dict:
+                rebuild: bool = False, stop_after_chunks: int | None = None,
+                search_k: int | None = None, search_width: int | None = None) -> dict:
     """Build the index over the train features' ``key`` keys under ``metric`` (skip / refuse /
     resume) into ``workdir.index(key, metric)``.
 
+    ``search_k`` is the depth the neighbours stage will search at (``neighbors.K``): the search
+    settings are measured that deep and the table records recall@K (``gnnlm.tuning``).
+    ``search_width`` is the widest search it will ask for (K plus the leakage margin of train
+    queries; default ``search_k``): no setting GPU faiss cannot run at that width is chosen.
+    Both only shape the measurement, recorded in the manifest (``tuning_k``, ``tuning_width``),
+    never the index: an index built without them (or for another K) is accepted as it is.
     ``stop_after_chunks`` stops after that many add chunks of this run (0: right after
     training) without completing: used to test resumption.
     """
     config = config or IndexConfig()
     check_metric(metric)
+    for name, value in (("search_k", search_k), ("search_width", search_width)):
+        if value is not None and int(value) < 1:
+            raise ValueError(f"{name} must be >= 1 or None (got {value}).")
     feats_manifest, arrays = open_features(workdir.features("train"))
     check_key(feats_manifest, key)
     keys = arrays[key]                                                 # [N, d] float16
@@ -170,6 +182,8 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
         rebuild=rebuild)
     if builder.is_complete():
         return read_manifest(out_dir)
+    # before any training: a build that cannot measure its search settings fails in seconds
+    queries = _held_out_queries(workdir, key, n, base_lm, config)
     device = faiss_device(config.device)
     on_gpu = device == "cuda"
     n_chunks = -(-n // config.add_chunk)
@@ -221,7 +235,8 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
             return {}
         cpu_index = faiss.read_index(str(path))  # exactly the bytes that ship
         t0 = time.perf_counter()
-        search, table = _choose_search(workdir, cpu_index, keys, key, metric, config)
+        search, table = _choose_search(cpu_index, keys, queries, key, metric, config,
+                                       search_k, search_width)
         recall = {name.split("@")[1]: value for name, value in search.items()
                   if name.startswith("recall@")}
         return builder.finish(extra={
@@ -231,30 +246,55 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
             "tuning": table, "target_recall": config.target_recall,
             "train_points": min(config.train_sample, n), "train_seconds": train_seconds,
             "add_seconds": progress.get("add_seconds", 0.0), "recall": recall,
-            "recall_queries": min(config.recall_queries, n),
+            "recall_queries": 0 if queries is None else len(queries),
+            # what the table was measured for (the neighbours' K and widest search); named
+            # apart from the neighbours manifest's search_k, which is its width
+            "tuning_k": search_k, "tuning_width": search_width or search_k,
             "recall_seconds": round(time.perf_counter() - t0, 3),
             "base_lm": base_lm, "features": feats_manifest["fingerprint"],
             "index_file": INDEX_FILE, "index_bytes": path.stat().st_size, "device": device,
             "faiss_version": faiss.__version__})
 
 
-def _choose_search(workdir: Workdir, index: faiss.Index, keys: np.ndarray, key: str,
-                   metric: str, config: IndexConfig) -> tuple[dict, list[dict]]:
-    """The search settings to use and the measured table (see ``gnnlm.tuning``). Queries are
-    held out: the valid split's features of ``key`` when they exist (train keys would find
-    themselves), else a seeded sample of train keys."""
-    n = int(index.ntotal)
+def _held_out_queries(workdir: Workdir, key: str, n: int, base_lm: dict,
+                      config: IndexConfig) -> np.ndarray | None:
+    """``recall_queries`` (at most n) seeded rows of the valid split's ``key`` features, float32;
+    None when ``recall_queries`` is 0. Train keys are refused as queries: each would find
+    itself, inflating recall."""
     n_queries = min(config.recall_queries, n)
     if n_queries == 0:
-        return {"nprobe": 1, "rerank": 0.0}, []
-    rng = np.random.default_rng([config.seed, 1])  # not the training sample's stream
+        return None
+    where = workdir.features("valid")
     try:
-        source = open_features(workdir.features("valid"))[1][key]
-    except (ArtifactError, KeyError):
-        source = keys
+        manifest, arrays = open_features(where)
+        source = arrays[key]
+    except (ArtifactError, KeyError) as err:
+        raise ArtifactError(
+            f"Measuring the index's search settings needs held-out queries, the valid split's "
+            f"{key!r} features, but {where} holds no complete ones (train keys would find "
+            f"themselves): build the valid features first, as `gnnlm pipeline` does, or set "
+            f"index.recall_queries: 0 to skip measuring.") from err
+    if manifest["base_lm"]["fingerprint"] != base_lm["fingerprint"]:
+        raise ArtifactError(
+            f"The valid features at {where} come from base LM {manifest['base_lm']['name']} "
+            f"(weights {manifest['base_lm']['fingerprint']}), the train keys from "
+            f"{base_lm['name']} (weights {base_lm['fingerprint']}): their recall would mean "
+            f"nothing. Encode valid with the train features' model, or set "
+            f"index.recall_queries: 0.")
+    rng = np.random.default_rng([config.seed, 1])  # not the training sample's stream
     rows = np.sort(rng.choice(len(source), size=min(n_queries, len(source)), replace=False))
-    queries = _as_float32(source[rows])
+    return _as_float32(source[rows])
+
+
+def _choose_search(index: faiss.Index, keys: np.ndarray, queries: np.ndarray | None, key: str,
+                   metric: str, config: IndexConfig, search_k: int | None = None,
+                   search_width: int | None = None) -> tuple[dict, list[dict]]:
+    """The search settings to use and the measured table (see ``gnnlm.tuning``) on the
+    held-out ``queries`` (None: nothing measured, the index's exact defaults)."""
+    if queries is None or len(queries) == 0:
+        return {"nprobe": 1, "rerank": 0.0}, []
     ivf = faiss.try_extract_index_ivf(index)
     nprobes = [p for p in (4, 8, 16, 32, 64) if p <= ivf.nlist] if ivf is not None else [1]
     reranks = [0.0, 1.0, 2.0, 4.0] if ivf is not None else [0.0]
-    return tune(index, keys, queries, key, metric, nprobes, reranks, config.target_recall)
+    return tune(index, keys, queries, key, metric, nprobes, reranks, config.target_recall,
+                search_k=search_k, search_width=search_width)

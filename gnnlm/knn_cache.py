@@ -8,9 +8,16 @@
 float keys in float32, in the same neighbour order ("FAISS mask, real score" of Xu et al. §5.1
 when the neighbours came from the index; "real mask, real score" when they came from the exact
 backend).
+
+What the neighbours and scores of a cache are is not what ``scores`` says alone: an index searched
+with re-ranking (``rerank`` > 0) returns exact similarities already, and so do exact search and an
+index that stores the keys uncompressed. The manifest therefore records the neighbours' search
+(``backend``, ``factory``, ``nprobe``, ``rerank``) and ``scores_are_exact``; ``search_facts``
+tells them for any cache, also one built before the manifest recorded them.
 """
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -24,12 +31,63 @@ from gnnlm.search import rescore
 from gnnlm.workdir import Workdir
 
 SCORES = ("faiss", "exact")
+# What a cache manifest records of its neighbours' search (``search_facts``).
+SEARCH_FACTS = ("backend", "factory", "nprobe", "rerank", "scores_are_exact")
+# faiss factories searched exhaustively (every key scored): their neighbours are the exact ones.
+_EXHAUSTIVE = re.compile(r"(IDMap2?,)?Flat")
+# factories whose index holds the keys uncompressed: the distances it returns are exact, whatever
+# lists or graph nodes it visits.
+_UNCOMPRESSED = re.compile(r"(IDMap2?,)?((IVF\d+(_HNSW\d+)?|HNSW\d+),)?Flat|HNSW\d+")
 
 
 def check_scores(scores: str) -> None:
     if scores not in SCORES:
         raise ValueError(f"scores must be 'faiss' (the search's scores) or 'exact' "
                          f"(recomputed from the stored keys) (got {scores!r}).")
+
+
+def exhaustive_index(factory: str | None) -> bool:
+    """True when an index of this faiss factory scores every key (``Flat``): its neighbours are
+    the exact ones."""
+    return factory is not None and _EXHAUSTIVE.fullmatch(factory) is not None
+
+
+def exact_score_index(factory: str | None) -> bool:
+    """True when an index of this faiss factory returns exact similarities (``Flat``,
+    ``IVF<n>,Flat``, ``HNSW<m>``: the keys are stored uncompressed): its scores are Xu et al.'s
+    "real score" (§5.1) already."""
+    return factory is not None and _UNCOMPRESSED.fullmatch(factory) is not None
+
+
+def neighbors_facts(nb_manifest: dict, scores: str) -> dict:
+    """What a cache of these neighbours with ``scores`` scores holds (Xu et al. §5.1): the
+    neighbours' ``backend``, ``factory``, ``nprobe`` and ``rerank`` as their manifest records
+    them, and ``scores_are_exact``: recomputed (``scores="exact"``), re-ranked exactly by the
+    search (``rerank`` > 0), searched exactly, or returned by an index with uncompressed keys."""
+    check_scores(scores)
+    facts = {name: nb_manifest.get(name) for name in SEARCH_FACTS[:-1]}
+    facts["scores_are_exact"] = bool(
+        scores == "exact" or facts["backend"] == "exact" or float(facts["rerank"] or 0) > 0
+        or exact_score_index(facts["factory"]))
+    return facts
+
+
+def search_facts(manifest: dict, workdir: Workdir) -> dict:
+    """``SEARCH_FACTS`` of the kNN cache with this manifest (``backend``, ``factory``, ``nprobe``,
+    ``rerank``, ``scores_are_exact``).
+
+    A cache built before its manifest recorded them takes them from its neighbours' manifest,
+    which must be the one it was built from: existing work directories need no rebuild.
+    """
+    if "scores_are_exact" in manifest:
+        return {name: manifest.get(name) for name in SEARCH_FACTS}
+    key, metric, scores, split = (manifest[name] for name in ("key", "metric", "scores", "split"))
+    nb_path = workdir.neighbors(key, metric, split)
+    nb_manifest = read_manifest(nb_path, kind="neighbors")
+    check_inputs(manifest, workdir.knn_cache(key, metric, scores, split),
+                 {"neighbors": nb_manifest["fingerprint"]},
+                 "Rebuild the kNN caches (--rebuild knn_cache).")
+    return neighbors_facts(nb_manifest, scores)
 
 
 def build_knn_cache(workdir: Workdir, split: str, key: str, metric: str, scores: str = "faiss",
@@ -85,7 +143,8 @@ def build_knn_cache(workdir: Workdir, split: str, key: str, metric: str, scores:
             return {}
         return builder.finish(extra={
             "split": split, "n": n, "K": K, "key": key, "metric": metric, "scores": scores,
-            "backend": nb_manifest.get("backend"), "factory": nb_manifest.get("factory"),
+            # what the neighbours and scores are: "faiss" scores may be exact (re-ranked)
+            **neighbors_facts(nb_manifest, scores),
             "base_lm": query_manifest["base_lm"],
             "base_ppl": perplexity(-state.get("lm_sum", 0.0), n),
             # the share of tokens whose target is among the values of their K neighbours

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from gnnlm.ablations import run_ablations
+from gnnlm.ablations import ABLATIONS_VERSION, outdated, run_ablations
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.checkpoints import datamodule_args
 from gnnlm.config import CorpusStage, PipelineConfig, load_config, merged_yaml, yaml_list
@@ -129,7 +129,12 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
     for leakage) are searched for the primary key only: the one the heads' graphs and memories
     read; the other keys serve the kNN-LM comparison."""
     metric = cfg.knn.metric
-    index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuilds("index"))
+    # the index measures its search settings at the depth the neighbours search: K, and K + W
+    # + 1 wide for the train queries masked for leakage (``gnnlm.neighbors``)
+    K = cfg.neighbors.K
+    width = K + leakage_window + 1 if key == cfg.knn.primary and leakage_window else K
+    index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuilds("index"),
+                        search_k=K, search_width=width)
     neighbors = {split: build_neighbors(workdir, split, key, metric, cfg.neighbors,
                                         leakage_window=leakage_window,
                                         rebuild=cfg.rebuilds("neighbors"))
@@ -182,8 +187,10 @@ def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict) -> O
         inputs["memory_lm"] = memory["fingerprint"]
     builder = ArtifactBuilder(workdir.ablations, kind="ablations",
                               config={**asdict(stage), "grid": cfg.knn.grid(),
-                                      "metric": cfg.knn.metric, "keys": cfg.knn.keys},
-                              inputs=inputs, rebuild=cfg.rebuilds("ablations"))
+                                      "metric": cfg.knn.metric, "keys": cfg.knn.keys,
+                                      "version": ABLATIONS_VERSION},
+                              inputs=inputs,
+                              rebuild=cfg.rebuilds("ablations") or outdated(workdir.ablations))
     if builder.is_complete():
         return read_manifest(workdir.ablations)["result"]
     with builder:
@@ -215,8 +222,8 @@ def run(cfg: PipelineConfig) -> dict:
     model, store, base_manifest, location = stage_base_lm(cfg, workdir)
     feature_manifests = stage_features(cfg, model, store, workdir, location)
     # a train feature has read this many tokens back: the leakage rule's window
-    leakage_window = cfg.neighbors.leakage_window or feature_manifests["train"]["config"][
-        "context"]
+    leakage_window = (cfg.neighbors.leakage_window if cfg.neighbors.leakage_window is not None
+                      else feature_manifests["train"]["config"]["context"])  # 0: no masking
     scores: dict[str, dict[str, np.ndarray]] = {
         "base": {s: np.asarray(open_array(workdir.features(s), "lm_logprob"))
                  for s in EVAL_SPLITS}}

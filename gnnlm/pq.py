@@ -4,7 +4,9 @@ The graph's neighbour nodes take their features from the train datastore. GNN-LM
 product-quantized (1,024 dims → 128 bytes) and decodes batches on the fly; we do the same with a
 faiss codec (``OPQ{m},PQ{m}`` or ``PQ{m}``, 8 bits per sub-quantizer), trained on a seeded sample,
 and keep raw float16 features as an alternative (``RawFeatures``). The build reports the relative
-reconstruction error ``‖x − x̂‖² / ‖x‖²`` on held-out train features.
+reconstruction error ``‖x − x̂‖² / ‖x‖²`` on held-out train features: a seeded sample of the
+positions the codec was not trained on (``held_out_sample``), so the error is not flattered by
+vectors the codebooks were fitted to (None when the codec was trained on every feature).
 """
 from __future__ import annotations
 
@@ -40,9 +42,32 @@ def codec_factory(d: int, m: int, opq: bool) -> str:
     return f"OPQ{m},PQ{m}x8np" if opq else f"PQ{m}x8np"
 
 
+HELD_OUT = 8192  # train features the reconstruction error is measured on
+
+
 def _sample(n: int, size: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.sort(rng.choice(n, size=min(size, n), replace=False))
+
+
+def held_out_sample(n: int, config: PQConfig, size: int = HELD_OUT) -> np.ndarray:
+    """Sorted positions, seeded (``config.seed + 1``), among the ``n`` train features that the
+    codec's training sample (``_sample(n, config.train_sample, config.seed)``) left out: at most
+    ``size``, none when the codec was trained on every feature."""
+    trained = _sample(n, config.train_sample, config.seed)
+    if n - len(trained) <= size:  # few left: every one of them
+        rest = np.ones(n, dtype=bool)
+        rest[trained] = False
+        return np.flatnonzero(rest)
+    # rejection sampling, not a list of the untrained positions: n reaches 10⁸ (WikiText-103)
+    rng = np.random.default_rng(config.seed + 1)
+    picked = np.zeros(0, dtype=np.int64)
+    while len(picked) < size:
+        draw = rng.integers(0, n, size=2 * size)
+        picked = np.concatenate([picked, draw[~np.isin(draw, trained)]])
+        _, first = np.unique(picked, return_index=True)
+        picked = picked[np.sort(first)]                                # drawn order, no repeats
+    return np.sort(picked[:size])
 
 
 def build_pq(workdir: Workdir, key: str, config: PQConfig | None = None, rebuild: bool = False,
@@ -80,13 +105,15 @@ def build_pq(workdir: Workdir, key: str, config: PQConfig | None = None, rebuild
             codes[rows] = codec.sa_encode(np.ascontiguousarray(keys[rows], dtype=np.float32))
         if builder.interrupted:
             return {}
-        held_out = _sample(n, min(8192, n), config.seed + 1)
-        x = np.asarray(keys[held_out], dtype=np.float32)
-        x_hat = codec.sa_decode(np.ascontiguousarray(codes[held_out]))
-        rel_error = float(((x - x_hat) ** 2).sum() / max((x ** 2).sum(), 1e-12))
+        held_out = held_out_sample(n, config)
+        rel_error = None  # trained on every feature: nothing held out to measure on
+        if len(held_out):
+            x = np.asarray(keys[held_out], dtype=np.float32)
+            x_hat = codec.sa_decode(np.ascontiguousarray(codes[held_out]))
+            rel_error = float(((x - x_hat) ** 2).sum() / max((x ** 2).sum(), 1e-12))
         return builder.finish(extra={
             "n": n, "dim": d, "code_bytes": int(codec.sa_code_size()), "factory": factory,
-            "relative_reconstruction_error": rel_error,
+            "relative_reconstruction_error": rel_error, "held_out": int(len(held_out)),
             "compression": float(d * 2 / codec.sa_code_size()),  # vs float16
             "base_lm": feat_manifest["base_lm"], "seconds": round(time.perf_counter() - t0, 2)})
 

@@ -1,8 +1,9 @@
 """Reports: ``reports/<name>/results.json``, ``results.md``, per-token scores and plots.
 
 Every perplexity is exp(−Σ log p / N) over the same N test tokens (the split's every position,
-scored once under the stated sliding-window protocol), computed here from per-token
-log-probabilities, never averaged from batches.
+scored once), computed here from per-token log-probabilities, never averaged from batches. Each
+row records how its tokens were scored (``gnnlm.protocols``): rows read with different windows
+or segments go in separate tables, each headed by its protocol and the left context it gives.
 """
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from typing import Optional
 
 import numpy as np
 
+from gnnlm import protocols
 from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
 from gnnlm.metrics import ppl_from_logprobs
+from gnnlm.protocols import Protocol
 from gnnlm.spalm_analysis import markdown as spalm_markdown
 from gnnlm.spalm_analysis import results_section as spalm_section
+from gnnlm.tuning import measured_recall
 from gnnlm.workdir import EVAL_SPLITS, Workdir
 
 ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN",
@@ -24,8 +28,11 @@ ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+k
              "spalm_xl": "SPALM (short + long-term memory)"}
 
 
-def row_name(name: str) -> str:
-    """How a results.json ``ppl`` key reads in a table."""
+def row_name(name: str, deviations: Optional[list[str]] = None) -> str:
+    """How a results.json ``ppl`` key reads in a table; ``deviations`` (the options on that
+    depart from the model's paper) are named after it: "SPALM (…) (+memory scale)"."""
+    if deviations:
+        return f"{row_name(name)} ({', '.join('+' + d for d in deviations)})"
     if name in ROW_NAMES:
         return ROW_NAMES[name]
     if name.startswith("knn["):
@@ -85,18 +92,51 @@ def _stage_seconds(cfg, workdir: Workdir, retrieval: dict, heads: dict, base_man
 
 
 def _retrieval_facts(r: dict) -> dict:
-    """What results.json says of one key's retrieval: the index, the search settings and their
-    measured recall against exact search, the neighbour stage's speed, the leakage masking."""
+    """What results.json says of one key's retrieval: how the test neighbours were searched
+    (exact search, or the index at their nprobe/re-ranking), the recall the index stage measured
+    for exactly that setting against exact search (None: not measured), the neighbour stage's
+    speed, the leakage masking."""
     index, test = r["index"], r["neighbors"]["test"]
-    facts = {"factory": index["factory"], "nprobe": test.get("nprobe"),
-             "rerank": test.get("rerank"), "recall": index["recall"], "K": test["K"],
+    backend = test.get("backend", "index")
+    facts = {"backend": backend, "factory": test.get("factory", index["factory"]),
+             "index_factory": index["factory"], "nprobe": test.get("nprobe"),
+             "rerank": test.get("rerank"), "K": test["K"],
+             "recall": (None if backend == "exact" else
+                        measured_recall(index, test.get("nprobe"), test.get("rerank"),
+                                        test["K"])),
              "target_recall": index.get("target_recall"),
              "queries_per_s": test.get("queries_per_s"), "search_settings": index.get("tuning")}
     train = r["neighbors"].get("train")
     if train is not None:
-        facts.update({"masked_fraction": train["masked_fraction"],
+        facts.update({"masked_fraction": train.get("masked_fraction"),
                       "leakage_window": train["leakage_window"]})
     return facts
+
+
+def _retrieval_line(key: str, info: dict) -> str:
+    if info["backend"] == "exact":
+        searched = f"exact search, K = {info['K']:,}"
+    else:
+        measured = info["recall"]
+        searched = (f"index {info['factory']}, nprobe {info['nprobe']}, re-ranking "
+                    f"{info['rerank']}x, K = {info['K']:,}: ")
+        if measured is None:
+            searched += "recall of this setting not measured"
+        else:
+            values = [(f"recall@{at}", measured[f"recall@{name}"])
+                      for at, name in ((10, 10), (100, 100), (info["K"], "K"))]
+            searched += ", ".join(f"{name} {'not measured' if v is None else v}"
+                                  for name, v in dict(values).items())
+            searched += f" against exact search (searched {measured['depth']} deep)"
+    if "leakage_window" not in info:
+        masked = ""
+    elif not info["leakage_window"]:
+        masked = "; train neighbours not masked for leakage (neighbors.leakage_window 0)"
+    else:
+        masked = (f"; train neighbours masked for leakage (W = {info['leakage_window']}): "
+                  f"{info['masked_fraction']:.3f}")
+    return (f"- key {key}: {searched}; neighbour search {info.get('queries_per_s')} "
+            f"queries/s{masked}")
 
 
 def base_lm_line(identity: dict) -> str:
@@ -112,20 +152,76 @@ def base_lm_line(identity: dict) -> str:
     return line + ")"
 
 
+def row_protocols(scores: dict, heads: dict, features: Protocol) -> dict[str, Protocol]:
+    """The protocol of every row: a head's as its manifest records it; the datastore's sliding
+    windows for the base LM and kNN-LM, and for an interpolation, its head's. A head trained
+    before protocols were recorded reads the features, unless it is a segment model, whose
+    protocol cannot be told after the fact."""
+    def of_head(manifest: dict) -> Protocol:
+        if "protocol" in manifest:
+            return manifest["protocol"]
+        if manifest.get("model_class") in ("SpalmXL", "LanguageModel"):
+            return {"kind": "unrecorded",
+                    "reason": "trained before protocols were recorded: rebuild this row"}
+        return features
+
+    rows = {}
+    for name in scores:
+        head = name.split("+")[0] if name not in heads else name
+        rows[name] = of_head(heads[head]) if head in heads else features
+    return rows
+
+
+def protocol_tables(results: dict) -> list[tuple[Protocol, list[str]]]:
+    """The rows grouped by layout (``gnnlm.protocols.layout``), in table order."""
+    groups: dict[tuple, tuple[Protocol, list[str]]] = {}
+    for name in results["ppl"]:
+        protocol = results["protocols"][name]
+        groups.setdefault(protocols.layout(protocol), (protocol, []))[1].append(name)
+    return list(groups.values())
+
+
+def _label(results: dict, name: str) -> str:
+    return row_name(name, results.get("deviations", {}).get(name))
+
+
+def _table_markdown(results: dict, protocol: Protocol, names: list[str]) -> list[str]:
+    left = results["mean_left_context"]
+    ppl = results["ppl"]
+    valid_ppl = results["valid_ppl"]
+    if protocol["kind"] == "segments":
+        lines = [f"Scored as {protocols.describe(protocol, with_memory=False)}:", "",
+                 "| model | memory M | mean left context | valid ppl | test ppl |",
+                 "|---|---:|---:|---:|---:|"]
+        for name in names:
+            valid = valid_ppl.get(name)
+            lines.append(f"| {_label(results, name)} | {results['protocols'][name]['memory']} | "
+                         f"{left[name]:.1f} | {'' if valid is None else f'{valid:.2f}'} | "
+                         f"{ppl[name]:.2f} |")
+        return lines
+    mean = f" (mean {left[names[0]]:.1f} on test)" if names[0] in left else ""
+    lines = [f"Scored with {protocols.describe(protocol)}{mean}:", "",
+             "| model | valid ppl | test ppl |", "|---|---:|---:|"]
+    for name in names:
+        valid = valid_ppl.get(name)
+        lines.append(f"| {_label(results, name)} | "
+                     f"{'' if valid is None else f'{valid:.2f}'} | {ppl[name]:.2f} |")
+    return lines
+
+
 def _markdown(results: dict) -> str:
     lines = [f"# {results['name']}: {results['dataset']}", "",
-             f"Test tokens: {results['tokens']:,} ({results['protocol']}).", "",
-             f"Base LM: {base_lm_line(results['base_lm'])}.", "",
-             "| model | valid ppl | test ppl |", "|---|---:|---:|"]
-    for name, ppl in results["ppl"].items():
-        valid = results["valid_ppl"].get(name)
-        lines.append(f"| {row_name(name)} | "
-                     f"{'' if valid is None else f'{valid:.2f}'} | {ppl:.2f} |")
+             f"Test tokens: {results['tokens']:,}, every one scored once by every row; rows "
+             f"read with different windows or segments are in separate tables.", "",
+             f"Base LM: {base_lm_line(results['base_lm'])}.", ""]
+    for protocol, names in protocol_tables(results):
+        lines += _table_markdown(results, protocol, names) + [""]
+    lines.pop()
     lines += ["", "Interpolation hyper-parameters (fitted on valid):", ""]
     for name, hp in results["hparams"].items():
         shown = {k: v for k, v in hp.items() if k not in ("valid_ppl", "test_ppl")}
-        lines.append(f"- {row_name(name)}: " + ", ".join(f"{k}={v}" for k, v in
-                                                                      shown.items()))
+        lines.append(f"- {_label(results, name)}: " + ", ".join(f"{k}={v}" for k, v in
+                                                                          shown.items()))
     if results.get("knn_recall_buckets"):
         rows = results["knn_recall_buckets"]
         lines += ["", f"kNN recall buckets (GNN-LM Table 4; mean log p, "
@@ -146,13 +242,7 @@ def _markdown(results: dict) -> str:
     lines += spalm_markdown(results.get("spalm_xl_analysis"), row_name("spalm_xl"))
     lines += _ablation_markdown(results.get("ablations"))
     lines += ["", "Retrieval:", ""]
-    for key, info in results["retrieval"].items():
-        masked = (f", train neighbours masked for leakage: {info['masked_fraction']:.3f}"
-                  if "masked_fraction" in info else "")
-        lines.append(f"- key {key}: index {info['factory']}, nprobe {info.get('nprobe')}, "
-                     f"re-ranking {info.get('rerank')}x: recall@10 {info['recall'].get('10')}, "
-                     f"recall@100 {info['recall'].get('100')} against exact search; neighbour "
-                     f"search {info.get('queries_per_s')} queries/s{masked}")
+    lines += [_retrieval_line(key, info) for key, info in results["retrieval"].items()]
     if results.get("gnn_leakage"):
         lines.append("- GNN-LM train graphs, leakage rule: " + ", ".join(
             f"{name.replace('_', ' ')} {value:.4f}" for name, value in
@@ -175,15 +265,23 @@ def _ablation_markdown(ablations: Optional[dict]) -> list[str]:
         for r in ablations["rows"]:
             lines.append(f"| {r['row']} | {r.get('k', '')} | {r.get('temperature', '')} | "
                          f"{r.get('lambda', '')} | {r['valid_ppl']:.2f} | {r['test_ppl']:.2f} |")
+        if ablations.get("skipped"):  # rows that would repeat one above, and why
+            lines += [""] + [f"Not a separate row: {r['row']} ({r['why']})."
+                             for r in ablations["skipped"]]
         lines += ["", "Temperature (k, λ fitted on valid per T): " + ", ".join(
             f"T={r['temperature']:g}: {r['test_ppl']:.2f}" for r in ablations["temperature_curve"])]
         lines += ["", "Datastore subsampling (exact search): " + ", ".join(
             f"{r['fraction']:.0%}: {r['test_ppl']:.2f}" for r in ablations["subsample_curve"])]
     if "memory" in ablations:
-        lines += ["", "Short-term memory (Transformer-XL, contiguous segments):", "",
-                  "| model | segment | test tokens | test ppl |", "|---|---:|---:|---:|"]
-        lines += [f"| {r['row']} | {r['segment']} | {r['tokens']:,} | {r['test_ppl']:.2f} |"
-                  for r in ablations["memory"]]
+        memory = ablations["memory"]
+        protocol = memory[0].get("protocol")
+        scored = (protocols.describe(protocol, with_memory=False) if protocol else
+                  f"contiguous segments of {memory[0]['segment']} tokens")
+        lines += ["", f"Short-term memory (Transformer-XL), scored as {scored}:", "",
+                  "| model | mean left context | test tokens | test ppl |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {r['row']} | {r.get('mean_left_context', float('nan')):.1f} | "
+                  f"{r['tokens']:,} | {r['test_ppl']:.2f} |" for r in memory]
     return lines
 
 
@@ -220,9 +318,19 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
     ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
     valid_ppl.update({name: hp["valid_ppl"] for name, hp in hparams.items() if "valid_ppl" in hp})
+    features_protocol = protocols.of_features(feature_manifests["test"])
+    row_protocol = row_protocols({name: None for name in names}, heads, features_protocol)
+    # each distinct protocol's left context, computed once
+    left = {repr(p): float(protocols.left_context(p, test_n).mean())
+            for p in row_protocol.values() if p["kind"] != "unrecorded"}
     results = {
         "name": cfg.name, "dataset": store.manifest["config"]["corpus"], "split": "test",
         "tokens": int(test_n), "protocol": feature_manifests["test"]["protocol"],
+        "protocols": row_protocol,
+        "mean_left_context": {name: left[repr(p)] for name, p in row_protocol.items()
+                              if repr(p) in left},
+        "deviations": {name: heads[name]["deviations"] for name in names
+                       if name in heads and heads[name].get("deviations")},
         "level": store.level, "ppl": ppl, "valid_ppl": valid_ppl, "hparams": hparams,
         "base_lm": model.identity(),
         "retrieval": {key: _retrieval_facts(r) for key, r in retrieval.items()},
@@ -262,10 +370,15 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
 
 
 def print_table(results: dict, workdir: Workdir) -> None:
-    """The results table on stdout, as ``gnnlm pipeline`` ends."""
-    print(f"\n{results['dataset']}: test {results['tokens']:,} tokens ({results['protocol']})")
-    print(f"  {'model':<36} {'valid ppl':>10} {'test ppl':>10}")
-    for name, ppl in results["ppl"].items():
-        valid = results["valid_ppl"].get(name)
-        print(f"  {row_name(name):<36} {'' if valid is None else f'{valid:.2f}':>10} {ppl:10.2f}")
+    """The results tables on stdout, one per protocol, as ``gnnlm pipeline`` ends."""
+    print(f"\n{results['dataset']}: test {results['tokens']:,} tokens, every one scored once "
+          f"by every row")
+    for protocol, names in protocol_tables(results):
+        print(f"{protocols.describe(protocol, with_memory=protocol['kind'] != 'segments')}:")
+        print(f"  {'model':<44} {'left ctx':>8} {'valid ppl':>10} {'test ppl':>10}")
+        for name in names:
+            valid = results["valid_ppl"].get(name)
+            left = results["mean_left_context"].get(name)
+            print(f"  {_label(results, name):<44} {'' if left is None else f'{left:.1f}':>8} "
+                  f"{'' if valid is None else f'{valid:.2f}':>10} {results['ppl'][name]:10.2f}")
     print(f"written to {workdir.report(results['name'])}")

@@ -15,10 +15,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from gnnlm import protocols
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.checkpoints import datamodule_args, load_checkpoint
 from gnnlm.metrics import ppl_from_logprobs
 from gnnlm.progress import say
+from gnnlm.protocols import Protocol
 from gnnlm.workdir import EVAL_SPLITS, Workdir
 
 
@@ -64,6 +66,7 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
                                                      cli.trainer.precision)
                 builder.array(f"{split}_logprob", np.float32, (n,))[...] = scores[split]
             extra.update(predict_extras(cli.model))
+            extra["protocol"] = scoring_protocol(cli.model, cli.datamodule, workdir)
             for array, values in getattr(cli.model, "predict_arrays", dict)().items():
                 builder.array(array, values.dtype, values.shape)[...] = values  # e.g. gates
         return builder.finish(extra=extra)
@@ -124,16 +127,30 @@ def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
 
 def predict_extras(model) -> dict:
     """Per-model extras saved beside the scores (SPALM: gate values over the test split; a
-    model with ``report_extras()`` says its own)."""
+    model with ``report_extras()`` says its own) and, under ``deviations``, the options on
+    that depart from the model's paper (``deviations()``), which the report names in the
+    row's label."""
+    deviations = model.deviations() if callable(getattr(model, "deviations", None)) else []
+    extras: dict = {"deviations": deviations} if deviations else {}
     if callable(getattr(model, "report_extras", None)):
-        return model.report_extras()
+        return {**model.report_extras(), **extras}
     histogram = getattr(model, "gate_histogram", None)
     if histogram is None:
-        return {}
+        return extras
     counts = histogram.numpy()
     centres = (np.arange(len(counts)) + 0.5) / len(counts)
-    return {"gate": {"histogram": counts.tolist(),
-                     "mean": float((counts * centres).sum() / max(counts.sum(), 1))}}
+    return {**extras, "gate": {"histogram": counts.tolist(),
+                               "mean": float((counts * centres).sum() / max(counts.sum(), 1))}}
+
+
+def scoring_protocol(model, datamodule, workdir: Workdir) -> Protocol:
+    """How the head's valid/test scores were computed (``gnnlm.protocols``): the data module's
+    own protocol for the model's memory, or, for heads that score the datastore's positions
+    (features, graphs), the features' sliding windows."""
+    own = getattr(datamodule, "scoring_protocol", None)
+    if callable(own):
+        return own(int(getattr(model, "memory_length", 0) or 0))
+    return protocols.of_features(workdir.features_manifest("test"))
 
 
 def head_logprobs(workdir: Workdir, name: str, split: str) -> np.ndarray:
@@ -159,11 +176,13 @@ def memory_rows(workdir: Workdir, name: str) -> list[dict]:
         trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
                              enable_progress_bar=False, enable_model_summary=False)
         (metrics,) = trainer.test(model, datamodule=data, verbose=False)
+        protocol = data.scoring_protocol(length)
+        tokens = int(metrics["test/tokens"])
         rows.append({"row": f"Transformer-XL base LM, memory "
                             f"{f'M = {length}' if length else 'off'}",
-                     "test_ppl": float(metrics["test/ppl"]),
-                     "tokens": int(metrics["test/tokens"]),
-                     "segment": data.hparams.block_size})
+                     "test_ppl": float(metrics["test/ppl"]), "tokens": tokens,
+                     "segment": data.hparams.block_size, "protocol": protocol,
+                     "mean_left_context": float(protocols.left_context(protocol, tokens).mean())})
     return rows
 
 

@@ -11,7 +11,9 @@ float32 keys in RAM, with the same ids, while reading half the bytes (the fp16 m
 ``Searcher`` puts a FAISS index (``gnnlm.index``) and exact search behind one call. With
 ``rerank = f`` it searches f·k candidates in the index and keeps the k best by their exact
 similarity, recomputed from the stored float16 keys: the IVF-PQ index only has to bring the
-true neighbours into the candidate list, and the scores returned are exact. ``rescore``
+true neighbours into the candidate list, and the scores returned are exact. On a GPU, a search
+whose candidate width (``candidate_width``) or nprobe exceeds ``GPU_MAX_K`` runs on the index's
+CPU copy instead, with a warning (``fits_gpu``; tuning never picks such a setting). ``rescore``
 recomputes the similarities of given neighbours exactly, in their order.
 """
 from __future__ import annotations
@@ -32,7 +34,8 @@ from gnnlm.devices import faiss_device, torch_device
 from gnnlm.workdir import Workdir
 
 METRICS = ("cos", "ip", "l2")
-# GPU faiss refuses k (and nprobe) above this; larger searches run on the CPU copy.
+# GPU faiss refuses k (and nprobe) above this; larger searches run on the CPU copy
+# (``Searcher.search`` warns once), and tuning never picks such a setting (``gnnlm.tuning``).
 GPU_MAX_K = 2048
 
 
@@ -40,6 +43,19 @@ def check_metric(metric: str) -> None:
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS} (got {metric!r}).")
 
+
+def candidate_width(k: int, rerank: float, ntotal: int) -> int:
+    """How many candidates ``Searcher.search(queries, k)`` asks the index for: ceil(rerank·k)
+    (at most ``ntotal``) when re-ranking, else k."""
+    return min(int(ntotal), math.ceil(rerank * k)) if rerank else int(k)
+
+
+def fits_gpu(k: int, nprobe: int | None, rerank: float, ntotal: int) -> bool:
+    """Whether a search of width k at ``nprobe``/``rerank`` stays within GPU faiss's limit
+    (``GPU_MAX_K`` on both the candidate width and nprobe), i.e. runs on a GPU index rather
+    than falling back to its CPU copy."""
+    return (candidate_width(k, rerank, ntotal) <= GPU_MAX_K
+            and int(nprobe or 0) <= GPU_MAX_K)
 
 
 def normalize_rows(x: np.ndarray) -> np.ndarray:
@@ -128,8 +144,17 @@ def exact_search(keys: Any, queries: Any, k: int, metric: str, device: str | tor
 
 def recall_at(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int) -> float:
     """Mean |approx top-k ∩ exact top-k| / k over queries (-1 ids never count)."""
-    a, e = approx_ids[:, :k], exact_ids[:, :k]                        # [n, k]
-    found = ((a[:, :, None] == e[:, None, :]) & (a[:, :, None] >= 0)).any(axis=2).sum(axis=1)
+    a = np.asarray(approx_ids[:, :k], dtype=np.int64)                  # [n, k]
+    e = np.asarray(exact_ids[:, :k], dtype=np.int64)                   # [n, k]
+    # Membership by binary search in one sorted table where row r's ids (+1, so -1 -> 0) lie in
+    # [r * span, (r + 1) * span): O(n k log) where comparing all pairs took n·k² memory
+    # (1 GB for 1,000 queries at the neighbours' k = 1,024).
+    span = int(max(a.max(initial=-1), e.max(initial=-1))) + 2
+    offsets = np.arange(len(e), dtype=np.int64)[:, None] * span         # [n, 1]
+    table = np.sort((e + 1 + offsets).ravel())                         # [n·k]
+    probe = a + 1 + offsets                                            # [n, k]
+    pos = np.minimum(np.searchsorted(table, probe), max(len(table) - 1, 0))
+    found = ((table[pos] == probe) & (a >= 0)).sum(axis=1) if table.size else 0
     valid = np.maximum((e >= 0).sum(axis=1), 1)
     return float(np.mean(found / valid))
 
@@ -152,7 +177,8 @@ class Searcher:
         self.nprobe: int | None = None
         self.rerank = 0.0
         self._prepared: Optional[np.ndarray] = None   # keys for re-ranking, made once
-        self._cpu_index: Any = None
+        self._cpu_index: Any = None   # set when ``index`` is on a GPU: for wider searches
+        self._warned_cpu = False
         self.backend = "faiss" if index is not None else "exact"
 
     @classmethod
@@ -241,10 +267,21 @@ class Searcher:
             q = normalize_rows(np.array(queries, dtype=np.float32, copy=True, order="C"))
         else:
             q = _as_float32(queries)
-        width = min(self.ntotal, math.ceil(self.rerank * k)) if self.rerank else k
+        width = candidate_width(k, self.rerank, self.ntotal)
         index = self.index
-        if self._cpu_index is not None and width > GPU_MAX_K:
+        if self._cpu_index is not None and not fits_gpu(k, self.nprobe, self.rerank,
+                                                        self.ntotal):
+            # GPU faiss refuses this width (or nprobe): the CPU copy (same index, same settings)
+            # serves it many times slower, so say so once rather than leave it unexplained.
             index = self._cpu_index
+            if not self._warned_cpu:
+                self._warned_cpu = True
+                warnings.warn(f"This search asks the index for {width} candidates (k={k}, "
+                              f"rerank={self.rerank}) at nprobe={self.nprobe}, but GPU faiss "
+                              f"allows at most {GPU_MAX_K} of each: it runs on the CPU copy of "
+                              f"the index, much slower. Lower neighbors.K, "
+                              f"rerank or nprobe, or keep the index's tuned ones ('auto').",
+                              stacklevel=2)
         dist, ids = index.search(q, width)                             # [n, width] each
         ids = ids.astype(np.int64, copy=False)
         if self.rerank:

@@ -16,23 +16,24 @@ input tokens, the retrieved values y_i (the "value encoder" is the embedding), a
 softmax. The keys are not part of the model: each token's neighbours were retrieved once with
 the frozen pretrained LM, and arrive as an int tensor of values (-1 = none).
 
-**The memory scale** (``memory_scale="learned"``, the default): m_t enters as s·m_t, with one
-learned scalar s > 0 (trained as log s),
+Defaults are the paper's equations: no bias in the gate and m_t as it is. Two deviations are
+options, named in the report's row label when they are on:
 
-.. math::
-    z_t = (1 - g_t) \odot s\, m_t + g_t \odot h_t,
+- ``gate_bias`` (a number): σ(w_g^T h_t + b) with a learned bias started at b
+  (``gnnlm.heads.SpalmGate``), so a warm-started model starts near its LM (g ≈ σ(b)).
+- ``memory_scale="learned"``: m_t enters as s·m_t, with one learned scalar s > 0 (trained as
+  log s),
 
-initialised to E‖h_t‖ / E‖y‖ (``initial_memory_scale``). Why: the paper trains from scratch, so
-W and h_t co-adapt and m_t (a convex combination of rows of W) lives at the scale of h_t. A
-warm-started LM does not have that: h_t leaves the final LayerNorm with its learned gain
-(‖h_t‖ ≈ 9 on the WikiText-2 test LM) while its tied embeddings have ‖y‖ ≈ 1, so W m_t moves the
-logits by about one tenth of what W h_t does, and any g_t < 1 mostly shrinks h_t (a flatter
-softmax) instead of adding the retrieved tokens; the gate then learns to close (g ≈ 0.99). The
-scale puts m_t at h_t's norm from the first step and lets training choose it. It changes
-neither the attention over the values (softmax_i(y_i^T h_t) are still the LM's own logits of
-the retrieved tokens; scaling them too, i.e. y → s·y, sharpens that softmax to nearly an argmax
-and was worse) nor the gate. ``memory_scale="none"`` is the paper's equations exactly
-(s ≡ 1, no parameter).
+  .. math::
+      z_t = (1 - g_t) \odot s\, m_t + g_t \odot h_t,
+
+  initialised to E‖h_t‖ / E‖y‖ (``initial_memory_scale``). Why one might want it: the paper
+  trains from scratch, so W and h_t co-adapt and m_t (a convex combination of rows of W) lives
+  at the scale of h_t. A warm-started LM does not have that: h_t leaves the final LayerNorm with
+  its learned gain (‖h_t‖ ≈ 9 on the WikiText-2 CPU LM) while its tied embeddings have
+  ‖y‖ ≈ 1, so W m_t moves the logits by about one tenth of what W h_t does. The scale puts m_t
+  at h_t's norm from the first step. It changes neither the attention over the values nor the
+  gate.
 
 Without long-term memory (``long_term=False``) the model is exactly the GPT: no gate, no
 parameter that would go unused. The maths is ``gnnlm.heads.SpalmGate``; this module adds the
@@ -46,10 +47,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from gnnlm.heads import SpalmGate
+from gnnlm.heads import SpalmGate, float32
 from gnnlm.models.gpt import GPT
 
-MEMORY_SCALES = ("learned", "none")
+MEMORY_SCALES = ("none", "learned")
 
 
 @torch.no_grad()
@@ -74,14 +75,13 @@ class Spalm(nn.Module):
     """A ``GPT`` (with ``memory_length`` > 0: Transformer-XL) plus SPALM's gated long-term memory.
 
     ``lm`` must tie its input and output embeddings (SPALM's W is one matrix).
-    ``long_term``: build the gate (False: the plain GPT / Transformer-XL). ``gate_bias``: the
-    gate's initial bias (``SpalmGate``), so a warm-started model starts close to its LM.
-    ``memory_scale``: ``"learned"`` (s·m_t, see the module's docstring) or ``"none"`` (the
-    paper's m_t).
+    ``long_term``: build the gate (False: the plain GPT / Transformer-XL). ``gate_bias``: None
+    (the paper) or the start of a learned gate bias (``SpalmGate``). ``memory_scale``:
+    ``"none"`` (the paper's m_t) or ``"learned"`` (s·m_t, see the module's docstring).
     """
 
-    def __init__(self, lm: GPT, long_term: bool = True, gate_bias: float = 2.0,
-                 memory_scale: str = "learned"):
+    def __init__(self, lm: GPT, long_term: bool = True, gate_bias: Optional[float] = None,
+                 memory_scale: str = "none"):
         super().__init__()
         if lm.lm_head.weight is not lm.wte.weight:
             raise ValueError("SPALM shares one word embedding W between input and output: the "
@@ -122,7 +122,8 @@ class Spalm(nn.Module):
         g [..., d] or None)``. Every value column given is used (k is the caller's choice)."""
         weight = self.word_embedding
         if self.gate is None:
-            return h @ weight.T, None
+            with float32(h):  # the softmax over the vocabulary stays in float32
+                return h.float() @ weight.float().T, None
         if nbr_values is None:
             raise ValueError("This SPALM model has long-term memory: pass nbr_values [..., k] "
                              "(the values of each position's retrieved neighbours, -1 = none).")

@@ -2,6 +2,7 @@
 features, targets and retrieved values of the artifacts; the LM windows score every position."""
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import faiss
@@ -203,6 +204,38 @@ def test_graph_loaders_partition_every_split(work):
         positions = np.concatenate(positions)
         assert sorted(positions) == list(range(SIZES[split])), split
         assert len(positions) == SIZES[split]
+
+
+@pytest.mark.usefixtures("one_faiss_thread")
+def test_a_leakage_window_of_zero_masks_no_train_graph(work, tmp_path):
+    """``neighbors.leakage_window: 0`` (recorded in the train neighbours' manifest) or the data
+    module's ``leakage_window=0``: the no-masking ablation, so train graphs drop and replace
+    nothing and the module records masking as off."""
+    from datamodules.graph import GraphDataModule
+    from gnnlm.graph import build_graph
+
+    wd = work[0]
+    unmasked = Workdir(tmp_path / "unmasked")
+    shutil.copytree(wd.root, unmasked.root)
+    manifest = build_neighbors(unmasked, "train", "final", "cos",
+                               NeighborsConfig(K=K, leakage_window=0), rebuild=True, device="cpu")
+    assert manifest["leakage_window"] == 0 and manifest["dropped"] == 0
+    for root, given in ((unmasked.root, None), (wd.root, 0)):
+        dm = GraphDataModule(workdir=str(root), block_size=40, graph=GraphConfig(k=3),
+                             num_workers=0, node_features="raw", leakage_window=given)
+        assert dm.leakage_window is None
+        data = dm.dataset("train")
+        assert data.leakage_context is None
+        ids = np.asarray(open_array(Workdir(root).neighbors("final", "cos", "train"), "ids"))
+        for i in range(len(data)):
+            g = data[i]
+            t = g["ctx"].split_pos.numpy()
+            plain = build_graph(t, ids[t], dm.n_train, data.graph)
+            assert (g.windows_masked, g.nodes_masked) == (0, 0)
+            assert torch.equal(g["nbr"].train_pos, plain["nbr"].train_pos)
+    # unmasked neighbours find the query's own position (its target): a rule would drop it
+    ids = np.asarray(open_array(unmasked.neighbors("final", "cos", "train"), "ids"))
+    assert (ids[:, 0] == np.arange(len(ids))).mean() > 0.5
 
 
 def test_k_schedule_picks_k_per_epoch(work):

@@ -35,6 +35,45 @@ def stack_for(norm="none", edge_aggr="sum", seed=0):
                     zero_init_output=False, readout=("ctx",)).double()
 
 
+def randomise(stack: GNNStack, seed=0) -> GNNStack:
+    """Every parameter random, the initial identities included: W^ATT and W^FEA start at I and μ
+    at 1 for every relation (eq. 2–3), which would hide a path that reads one relation's (or
+    edge type's) parameters for another's. Scaled to keep the softmax away from one-hot."""
+    g = torch.Generator().manual_seed(seed)
+
+    def noise(p, scale):
+        return scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
+
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            if ".w_att." in name or ".w_fea." in name:               # [H, D_h, D_h]
+                p.copy_(noise(p, 1 / p.shape[-1] ** 0.5))
+            elif ".mu." in name:                                      # [H], per edge type
+                p.copy_(0.5 + 1.5 * torch.rand(p.shape, generator=g, dtype=p.dtype))
+            elif ".norm." in name:                                    # LayerNorm weight, bias
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + noise(p, 0.3))
+            else:                                                     # W^q, W^k, W^v, W^o
+                p.copy_(noise(p, 1 / D_MODEL ** 0.5))
+    return stack
+
+
+def two_paths(norm="none", edge_aggr="sum") -> tuple[GNNStack, GNNStack]:
+    """Two stacks with the same random weights: one passes messages, the other runs dense, so a
+    throwaway edit of one path's parameters shows whether the comparison would notice."""
+    mp = randomise(stack_for(norm, edge_aggr))
+    dense = stack_for(norm, edge_aggr)
+    dense.load_state_dict(mp.state_dict())
+    for layer in mp.layers:  # nothing left at its identity initialisation
+        for params in (layer.w_att, layer.w_fea):
+            eye = torch.eye(layer.head_dim, dtype=torch.float64)
+            assert all(not torch.allclose(w, eye.expand_as(w), atol=0.1) for w in params.values())
+            assert not torch.allclose(params["intra"], params["inter"], atol=0.1)
+        mus = list(layer.mu.values())
+        assert all((m - 1).abs().max() > 0.05 for m in mus) and len(mus) >= 2
+        assert all(not torch.allclose(a, b, atol=0.05) for a, b in zip(mus, mus[1:]))
+    return mp, dense
+
+
 @pytest.mark.parametrize("inter", ["window", "retrieved"])
 @pytest.mark.parametrize("norm,edge_aggr", [("none", "sum"), ("pre", "mean"), ("post", "mean"),
                                             ("post", "sum")])
@@ -42,11 +81,12 @@ def stack_for(norm="none", edge_aggr="sum", seed=0):
 def test_dense_equals_message_passing(inter, norm, edge_aggr, ctx_window, context):
     cfg = GraphConfig(left=1, right=2, k=3, ctx_window=ctx_window, inter=inter)
     batch = batch_of_graphs(cfg, context)
-    stack = stack_for(norm, edge_aggr).eval()
-    want = stack(batch.x_dict, batch.edge_index_dict)["ctx"]
+    mp, dense = (stack.eval() for stack in two_paths(norm, edge_aggr))
+    want = mp(batch.x_dict, batch.edge_index_dict)["ctx"]
     ctx, nbr, graph = to_dense(batch, cfg)
-    got = stack.forward_dense(ctx, nbr, graph)[0][graph.ctx_mask]
+    got = dense.forward_dense(ctx, nbr, graph)[0][graph.ctx_mask]
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert (want - batch["ctx"].x).abs().max() > 0.1                  # the layers did something
 
 
 def test_gradients_equal_message_passing():
@@ -54,16 +94,16 @@ def test_gradients_equal_message_passing():
     batch = batch_of_graphs(cfg, leakage_context=4)
     for x in (batch["ctx"].x, batch["nbr"].x):
         x.requires_grad_(True)
-    stack = stack_for("pre", "sum").train()                            # dropout 0: deterministic
-    stack(batch.x_dict, batch.edge_index_dict)["ctx"].pow(2).sum().backward()
-    want = {n: p.grad.clone() for n, p in stack.named_parameters()}
+    mp, dense = (stack.train() for stack in two_paths("pre", "sum"))  # dropout 0: deterministic
+    mp(batch.x_dict, batch.edge_index_dict)["ctx"].pow(2).sum().backward()
+    want = {n: p.grad.clone() for n, p in mp.named_parameters()}
     want_x = [batch["ctx"].x.grad.clone(), batch["nbr"].x.grad.clone()]
-    stack.zero_grad()
     batch["ctx"].x.grad = batch["nbr"].x.grad = None
     ctx, nbr, graph = to_dense(batch, cfg)
-    stack.forward_dense(ctx, nbr, graph)[0][graph.ctx_mask].pow(2).sum().backward()
-    for name, p in stack.named_parameters():
+    dense.forward_dense(ctx, nbr, graph)[0][graph.ctx_mask].pow(2).sum().backward()
+    for name, p in dense.named_parameters():
         torch.testing.assert_close(p.grad, want[name], atol=1e-10, rtol=1e-9, msg=name)
+        assert want[name].abs().max() > 0, name                      # every parameter is reached
     torch.testing.assert_close(batch["ctx"].x.grad, want_x[0])
     torch.testing.assert_close(batch["nbr"].x.grad, want_x[1])
 

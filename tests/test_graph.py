@@ -1,5 +1,7 @@
-"""gnnlm.graph: exact edge sets on a hand-worked block, the leakage rule (checked against graph
-reachability), the reference topology, batching."""
+"""gnnlm.graph: exact edge sets on a hand-worked block, the leakage rule (checked against a loop
+reference and by reachability over the graph's edges), the reference topology, batching."""
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -107,6 +109,26 @@ def test_leakage_rule_hand_worked():
     assert data["nbr"].train_pos.tolist() == [3, 4, 5] and data.windows_masked == 0
 
 
+def test_a_leakage_context_of_zero_masks_nothing():
+    """``neighbors.leakage_window: 0`` is the no-masking ablation: C = 0 is not a rule that
+    still drops each reachable target (node 5 below), the graph is the unmasked one."""
+    for ctx_pos, nbr_ids, n_train in (([5], [[4]], 10), ([11, 12], [[13, 9], [14, 3]], 20),
+                                      (CTX_POS, NBR_IDS, N_TRAIN)):
+        cfg = GraphConfig(k=2)
+        off, none = (build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=c)
+                     for c in (0, None))
+        assert (off.windows_masked, off.nodes_masked) == (0, 0)
+        for store in ("ctx", "nbr"):
+            assert set(off[store].keys()) == set(none[store].keys())
+            for key, value in none[store].items():
+                got = off[store][key]
+                assert (torch.equal(got, value) if isinstance(value, torch.Tensor)
+                        else got == value), (store, key)
+        for edge_type in EDGE_TYPES:
+            assert torch.equal(off[edge_type].edge_index, none[edge_type].edge_index)
+    assert build_graph([5], [[4]], 10, GraphConfig(k=1), 0)["nbr"].train_pos.tolist() == [3, 4, 5]
+
+
 def test_select_neighbors_skips_missing_and_masked_in_order():
     ids = np.array([[5, -1, 7, 8], [-1, -1, -1, -1]])
     keep = np.array([[True, True, False, True], [True] * 4])
@@ -183,6 +205,88 @@ def test_random_block_matches_loop_reference(context, inter):
     assert {(names[a], b) for a, b in edge_set(data, NBR_INTER)} == inter_edges
     if context:
         assert data.windows_masked + data.nodes_masked > 0
+
+
+def reachable_ctx(data) -> list[set[int]]:
+    """Per nbr node, the ctx nodes its information reaches: a BFS along every edge (source →
+    target) of every edge type, any number of hops (as many layers as one likes)."""
+    n_ctx = data["ctx"].num_nodes
+    offset = {"ctx": 0, "nbr": n_ctx}
+    out: list[list[int]] = [[] for _ in range(n_ctx + data["nbr"].num_nodes)]
+    for src_type, _, dst_type in data.edge_types:
+        src, dst = data[src_type, _, dst_type].edge_index.tolist()
+        for a, b in zip(src, dst):
+            out[a + offset[src_type]].append(b + offset[dst_type])
+    reach = []
+    for start in range(n_ctx, len(out)):
+        seen, queue = {start}, deque([start])
+        while queue:
+            for v in out[queue.popleft()]:
+                if v not in seen:
+                    seen.add(v)
+                    queue.append(v)
+        reach.append({v for v in seen if v < n_ctx})
+    return reach
+
+
+def reachable_leaks(data, C: int) -> list[tuple[int, int]]:
+    """(train position q, ctx target t) for every window node that has read, or is, the target t
+    of a ctx token it reaches (q − C ≤ t ≤ q: the README's rule, read off the edges)."""
+    q = data["nbr"].train_pos.tolist()
+    t = data["ctx"].split_pos.tolist()
+    return [(q[n], t[j]) for n, reach in enumerate(reachable_ctx(data)) for j in reach
+            if q[n] - C <= t[j] <= q[n]]
+
+
+# Synthetic leaky retrievals, C = 4, targets with gaps of 10 (and one of 1 at the end). Per
+# token i (target t): t + 2 has read t; t + 11 has read the next target (reached through the
+# causal edges); t − 9 has read only an earlier target (never reached: kept); t − 1 is clean
+# but its right mate t is the target itself (dropped alone); 3 reads nothing. Each row ends
+# with far-away positions, which take the place of the skipped ones.
+C_SYN = 4
+CTX_SYN = np.array([20, 30, 40, 50, 60, 61])
+NBR_SYN = np.stack([[t + 2, t + 11, t - 9, t - 1, 3, 100 + 3 * i, 120 + 3 * i, -1]
+                    for i, t in enumerate(CTX_SYN)])
+
+
+@pytest.mark.parametrize("inter", ["window", "retrieved"])
+@pytest.mark.parametrize("ctx_window", [None, 2])
+def test_no_window_node_has_read_a_target_it_can_reach(inter, ctx_window):
+    """The leakage property checked by reachability over the edges (not by ``leaky``): on train
+    graphs no surviving window node has read, or is, the target of a ctx token it can reach;
+    the same blocks without the rule (or with C = 0, no masking) do leak, so the check bites."""
+    cfg = GraphConfig(left=1, right=1, k=4, ctx_window=ctx_window, inter=inter)
+    rng = np.random.default_rng(0)
+    ctx_rand = 40 + np.cumsum(rng.integers(1, 4, 12))                   # gaps of 1 to 3
+    nbr_rand = rng.integers(30, 90, (12, 10))                           # many near the block
+    nbr_rand[rng.random((12, 10)) < 0.1] = -1
+    for ctx_pos, nbr_ids, n_train in ((CTX_SYN, NBR_SYN, 140), (ctx_rand, nbr_rand, 95)):
+        masked = build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=C_SYN)
+        assert masked["nbr"].num_nodes > 0 and reachable_leaks(masked, C_SYN) == []
+        # the rule assumes a node reaches its own token and every later one: the edges agree
+        # (a ctx window of 2 still chains to the end of the block)
+        T = len(ctx_pos)
+        owners = masked["nbr"].owner_local.tolist()
+        for owner, reach in zip(owners, reachable_ctx(masked)):
+            assert reach == set(range(owner, T))
+        assert masked.windows_masked > 0 and masked.nodes_masked > 0
+        for unmasked in (build_graph(ctx_pos, nbr_ids, n_train, cfg),
+                         build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=0)):
+            assert len(reachable_leaks(unmasked, C_SYN)) > 0
+            assert unmasked.windows_masked == unmasked.nodes_masked == 0
+
+    # the known retrievals: leaky ones skipped, the clean ones kept, the leaky mate dropped alone
+    data = build_graph(CTX_SYN, NBR_SYN, 140, cfg, leakage_context=C_SYN)
+    nbr = data["nbr"]
+    for i, t in enumerate(CTX_SYN):
+        mine = nbr.owner_local == i
+        retrieved = nbr.train_pos[mine & (nbr.offset == 0)].tolist()
+        # t + 11 reads t + 7 … t + 11: the next target when it is t + 10 (not for the last two)
+        next_read = i + 1 < len(CTX_SYN) and CTX_SYN[i + 1] == t + 10
+        expected = ([] if next_read else [t + 11]) + [t - 9, t - 1, 3, 100 + 3 * i]
+        assert retrieved == expected[:cfg.k], (i, retrieved)
+        window = nbr.train_pos[mine & (nbr.rank == expected.index(t - 1))].tolist()
+        assert window == [t - 2, t - 1]                                 # its mate t is dropped
 
 
 def test_graph_sizes_bound_a_full_block():

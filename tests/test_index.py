@@ -1,5 +1,6 @@
 """The index stage: the ``auto`` factory, and build / resume / skip / refuse on synthetic features
-written as real artifacts (searching them is tested in test_search.py)."""
+written as real artifacts (searching them is tested in test_search.py, the choice of search
+settings in test_tuning.py)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from fakes import write_features
 from gnnlm.artifacts import ArtifactError
 from gnnlm.index import IndexConfig, auto_factory, build_index, pq_subquantizers
 from gnnlm.search import Searcher, exact_search, recall_at
+from gnnlm.tuning import measured_recall
 from gnnlm.workdir import Workdir
 
 
@@ -33,15 +35,23 @@ pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 @pytest.fixture(scope="module")
 def clustered_features(tmp_path_factory):
+    """20,000 train keys and 400 held-out valid queries of the same clusters."""
     wd = Workdir(tmp_path_factory.mktemp("clustered"))
-    x = clustered()
-    write_features(wd.features("train"), x)
-    return wd, x
+    x = clustered(n=20400)
+    write_features(wd.features("train"), x[:20000])
+    write_features(wd.features("valid"), x[20000:], split="valid")
+    return wd, x[:20000]
 
 
-def train_features(root, x, **kw) -> Workdir:
+def train_features(root, x, valid=None, **kw) -> Workdir:
+    """Train features ``x`` and valid features ``valid`` (default: 64 random rows), the
+    held-out queries the index's tuning measures recall on; ``kw`` goes to both."""
     wd = Workdir(root)
     write_features(wd.features("train"), x, **kw)
+    if valid is None:
+        valid = np.random.default_rng(99).standard_normal((64, x.shape[1]))
+    kw.pop("att", None)  # valid att keys = valid final keys
+    write_features(wd.features("valid"), np.asarray(valid, np.float32), split="valid", **kw)
     return wd
 
 
@@ -186,6 +196,8 @@ def test_complete_index_is_skipped_and_other_features_refused(tmp_path):
     def replace_train(features, **kw):
         shutil.rmtree(wd.features("train"))
         write_features(wd.features("train"), features, **kw)
+        shutil.rmtree(wd.features("valid"))  # the held-out queries: of the same base LM
+        write_features(wd.features("valid"), x[:20] - 1, split="valid", **kw)
 
     replace_train(x + 1, lm=("other-lm", "weights-b"))
     with pytest.raises(ArtifactError, match=r"base_lm_fingerprint: \"weights-a\" → \"weights-b\""):
@@ -197,3 +209,61 @@ def test_complete_index_is_skipped_and_other_features_refused(tmp_path):
     rebuilt = build_index(wd, "final", "cos", cfg, rebuild=True)
     assert rebuilt["base_lm"]["name"] == "other-lm"
     assert rebuilt["fingerprint"] != first["fingerprint"]
+
+
+def test_recall_is_measured_at_the_neighbours_depth_and_not_fingerprinted(tmp_path):
+    """``search_k`` (the neighbours' K) makes tuning search that deep and record recall@K, the
+    very recall a search at K gets; it is a measurement, so an index built without it is
+    accepted as it is."""
+    x = clustered(n=6300, d=32, centres=40, seed=4)
+    train, valid = x[:6000], x[6000:]
+    cfg = IndexConfig(factory="IVF64,PQ8x4np", recall_queries=300)   # every valid row
+    wd = train_features(tmp_path / "a", train, valid=valid)
+    manifest = build_index(wd, "final", "l2", cfg, search_k=300)
+    table = manifest["tuning"]
+    assert len(table) == 20 and all(row["depth"] == 300 for row in table)
+    assert all({"recall@10", "recall@100", "recall@300"} <= set(row) for row in table)
+    assert set(manifest["recall"]) == {"10", "100", "300"}
+    assert (manifest["tuning_k"], manifest["tuning_width"]) == (300, 300)
+    # recall@300 is what searching the valid queries at K = 300 with that setting finds
+    _, exact = exact_search(train.astype(np.float16), valid, 300, "l2")
+    for row in (table[5], manifest["search"]):
+        searcher = Searcher.for_workdir(wd, "final", "l2", nprobe=row["nprobe"],
+                                        rerank=row["rerank"])
+        _, ids = searcher.search(valid, 300)
+        assert row["recall@300"] == pytest.approx(recall_at(ids, exact, 300), abs=1e-4)
+    # a lossy setting finds fewer of the 300 than of the 10 nearest: worth measuring
+    assert min(r["recall@300"] - r["recall@10"] for r in table) < -0.02
+    # ... and the report reads it back for the neighbours' setting
+    got = measured_recall(manifest, table[5]["nprobe"], table[5]["rerank"], 300)
+    assert got is not None and (got["depth"], got["recall@K"]) == (300, table[5]["recall@300"])
+
+    # built without search_k (as before it existed): accepted as it is, not rebuilt
+    old = build_index(train_features(tmp_path / "b", train, valid=valid), "final", "l2", cfg)
+    again = build_index(Workdir(tmp_path / "b"), "final", "l2", cfg, search_k=300)
+    assert again["created"] == old["created"] and set(again["recall"]) == {"10", "100"}
+    assert old["fingerprint"] == manifest["fingerprint"]
+    assert measured_recall(again, 4, 0.0, 300)["recall@K"] is None            # not measured
+    assert measured_recall(again, 4, 0.0, 300)["depth"] == 128
+
+
+def test_train_keys_are_refused_as_recall_queries(tmp_path):
+    """Each train key finds itself: tuning without held-out (valid) queries is refused, before
+    any training, with what to do; ``recall_queries: 0`` skips the measurement."""
+    x = clustered(n=3000, d=16, centres=20)
+    wd = Workdir(tmp_path)
+    write_features(wd.features("train"), x)
+    cfg = IndexConfig(factory="IVF16,Flat", recall_queries=100)
+    with pytest.raises(ArtifactError, match=r"needs held-out queries.*build the valid features "
+                                            r"first.*index\.recall_queries: 0 to skip"):
+        build_index(wd, "final", "l2", cfg)
+    assert not wd.index("final", "l2").exists()
+    assert not wd.index("final", "l2").with_name("final-l2.partial").exists()
+    # valid features of another base LM are no held-out queries for these keys either
+    write_features(wd.features("valid"), x[:50] + 0.1, split="valid", lm=("other-lm", "w-b"))
+    with pytest.raises(ArtifactError, match=r"other-lm.*fake-lm.*index\.recall_queries: 0"):
+        build_index(wd, "final", "l2", cfg)
+    manifest = build_index(wd, "final", "l2", IndexConfig(factory="IVF16,Flat",
+                                                          recall_queries=0))
+    assert manifest["tuning"] == [] and manifest["recall"] == {}
+    assert manifest["recall_queries"] == 0

@@ -1,6 +1,7 @@
 """The per-token kNN-LM cache against recomputation from the features and neighbours."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import faiss
@@ -11,7 +12,15 @@ import pytest
 from gnnlm.artifacts import ArtifactError
 from gnnlm.index import IndexConfig, build_index
 from gnnlm.knn import evaluate, sweep
-from gnnlm.knn_cache import build_knn_cache, check_scores, open_knn_cache
+from gnnlm.knn_cache import (
+    SEARCH_FACTS,
+    build_knn_cache,
+    check_scores,
+    exact_score_index,
+    exhaustive_index,
+    open_knn_cache,
+    search_facts,
+)
 from gnnlm.neighbors import NeighborsConfig, build_neighbors, open_neighbors
 from gnnlm.workdir import Workdir
 
@@ -152,3 +161,60 @@ def test_another_models_logprob_can_be_swapped_in(caches):
     np.testing.assert_array_equal(arrays["hits"], open_knn_cache(path)[1]["hits"])
     with pytest.raises(ValueError, match="lm_logprob has 10 tokens but the cache .* has 300"):
         open_knn_cache(path, lm_logprob=gnn[:10])
+
+
+def test_manifest_records_what_the_neighbours_and_scores_are(caches, tmp_path):
+    """Xu et al. §5.1: "FAISS scores" of an index searched with re-ranking are exact ones, and so
+    are the scores of exact search; the manifest says so, not only what ``scores`` asked."""
+    wd = caches[0]
+    approx = open_knn_cache(wd.knn_cache("final", "l2", "faiss", "valid"))[0]
+    assert {name: approx[name] for name in SEARCH_FACTS} == {
+        "backend": "index", "factory": "IVF8,PQ4x4np", "nprobe": 1, "rerank": 0.0,
+        "scores_are_exact": False}
+    assert open_knn_cache(wd.knn_cache("final", "l2", "exact", "valid"))[0][
+        "scores_are_exact"] is True
+    other = copy_inputs(wd, tmp_path / "w")
+    shutil.rmtree(other.neighbors("final", "l2", "valid"))
+    build_neighbors(other, "valid", "final", "l2", NeighborsConfig(K=16, nprobe=2, rerank=2),
+                    leakage_window=None)
+    reranked = build_knn_cache(other, "valid", "final", "l2", scores="faiss")
+    assert (reranked["nprobe"], reranked["rerank"], reranked["scores_are_exact"]) == (2, 2.0, True)
+    shutil.rmtree(other.neighbors("final", "l2", "valid"))
+    build_neighbors(other, "valid", "final", "l2", NeighborsConfig(K=16, backend="exact"),
+                    leakage_window=None)
+    exact = build_knn_cache(other, "valid", "final", "l2", scores="faiss", rebuild=True)
+    assert {name: exact[name] for name in SEARCH_FACTS} == {
+        "backend": "exact", "factory": "exact", "nprobe": None, "rerank": None,
+        "scores_are_exact": True}
+    assert search_facts(exact, other) == {name: exact[name] for name in SEARCH_FACTS}
+
+
+def test_caches_built_before_the_fields_read_their_neighbours(caches, tmp_path):
+    """An existing work directory keeps working: a cache manifest without the search fields
+    takes them from the neighbours it was built from, and refuses other neighbours."""
+    wd = caches[0]
+    other = copy_inputs(wd, tmp_path / "w")
+    path = other.knn_cache("final", "l2", "faiss", "valid")
+    shutil.copytree(wd.knn_cache("final", "l2", "faiss", "valid"), path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name in ("nprobe", "rerank", "scores_are_exact"):  # what the old code wrote lacked them
+        del manifest[name]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    old = open_knn_cache(path)[0]
+    assert search_facts(old, other) == {"backend": "index", "factory": "IVF8,PQ4x4np",
+                                        "nprobe": 1, "rerank": 0.0, "scores_are_exact": False}
+    assert search_facts({**old, "scores": "exact"}, other)["scores_are_exact"] is True
+    shutil.rmtree(other.neighbors("final", "l2", "valid"))
+    build_neighbors(other, "valid", "final", "l2", NeighborsConfig(K=300, nprobe=2, rerank=1),
+                    leakage_window=None)
+    with pytest.raises(ArtifactError, match=r"other inputs .*--rebuild knn_cache"):
+        search_facts(old, other)
+
+
+@pytest.mark.parametrize("factory, exhaustive, exact_scores", [
+    ("Flat", True, True), ("IDMap,Flat", True, True), ("IVF16,Flat", False, True),
+    ("HNSW32", False, True), ("IVF4096,SQ8", False, False), ("IVF8,PQ4x4np", False, False),
+    ("OPQ16,IVF64,PQ16x8np", False, False), ("PCA8,Flat", False, False)])
+def test_which_indexes_search_or_score_exactly(factory, exhaustive, exact_scores):
+    assert exhaustive_index(factory) is exhaustive
+    assert exact_score_index(factory) is exact_scores

@@ -11,8 +11,10 @@ import pytest
 import torch
 from conftest import PIPELINE, run_gnnlm
 
+from gnnlm.ablations import row_label
 from gnnlm.artifacts import ArtifactError, open_array, read_manifest
 from gnnlm.datastore import build_features, open_features
+from gnnlm.knn_cache import search_facts
 from gnnlm.metrics import ppl_from_logprobs, unigram_logprobs
 from gnnlm.models import load_base_lm
 from gnnlm.tokens import TokenStore
@@ -102,7 +104,14 @@ def test_every_row_scores_the_same_tokens(workdir, results):
         assert ppl_from_logprobs(scores[name]) == pytest.approx(results["ppl"][name])
 
 
+def train_context(workdir) -> int:
+    """C: how many tokens back a train feature has read, as the features recorded it (the
+    pipeline's default leakage window)."""
+    return int(Workdir(workdir).features_manifest("train")["config"]["context"])
+
+
 def test_no_train_neighbour_inside_the_leakage_window(workdir):
+    C = train_context(workdir)
     for key in ("final",):  # train queries are searched for the heads' key only
         path = Workdir(workdir).neighbors(key, "cos", "train")
         manifest = read_manifest(path)
@@ -110,11 +119,10 @@ def test_no_train_neighbour_inside_the_leakage_window(workdir):
         t = np.arange(len(ids))[:, None]
         valid = ids >= 0
         assert valid.mean() > 0.99
-        ahead = ids - t                      # a neighbour p has read the targets t in [p - W, p]
-        W = manifest["leakage_window"]
-        assert not np.any(valid & (ahead >= 0) & (ahead <= W))
-        assert np.any(valid & (ahead < 0) & (ahead >= -W))  # behind the query: allowed, kept
-        assert manifest["leakage_window"] == 64 and 0 < manifest["masked_fraction"] < 1
+        ahead = ids - t                      # a neighbour p has read the targets t in [p - C, p]
+        assert not np.any(valid & (ahead >= 0) & (ahead <= C))
+        assert np.any(valid & (ahead < 0) & (ahead >= -C))  # behind the query: allowed, kept
+        assert manifest["leakage_window"] == C and 0 < manifest["masked_fraction"] < 1
 
 
 def reachable_ctx(graph, hops: int) -> np.ndarray:
@@ -155,8 +163,8 @@ def test_no_node_of_a_train_graph_has_read_a_target_it_reaches(workdir, results,
     dm = GraphDataModule(workdir=str(workdir), key="final", metric="cos",
                          graph=GraphConfig(k=16, inter=inter))
     data = dm.dataset("train")
-    C = dm.leakage_window
-    assert C == 64
+    C = train_context(workdir)
+    assert dm.leakage_window == C
     ids = np.asarray(open_array(Workdir(workdir).neighbors("final", "cos", "train"), "ids"))
     unmasked = 0
     for i in (0, 1, 7, len(data) // 2, len(data) - 1):
@@ -306,9 +314,18 @@ def test_ablation_table(results, workdir):
     base = rows["base LM"]["test_ppl"]
     assert ablations["tokens"] == {"valid": 3000, "test": 3000}
     for m in ("cos", "ip", "l2"):
-        assert f"kNN-LM, key final, {m}, exact neighbours + exact scores" in rows
-    assert "kNN-LM, key att, cos, FAISS neighbours + FAISS scores" in rows
-    assert "kNN-LM, key final, cos, FAISS neighbours + exact scores" in rows
+        assert f"kNN-LM, key final, {m}: exact neighbours + exact scores" in rows
+    # labels say what was searched, from the caches' manifests: the slice's auto IVF,SQ8 index
+    # re-ranks, so its scores are exact, and the approximate row searches it without re-ranking
+    wd = Workdir(workdir)
+    facts = search_facts(read_manifest(wd.knn_cache("final", "cos", "faiss", "test")), wd)
+    assert facts["rerank"] > 0 and facts["scores_are_exact"]
+    assert row_label("final", "cos", facts) in rows and row_label("final", "cos", facts).endswith(
+        "+ exact scores")
+    assert any(r.startswith("kNN-LM, key att, cos: ") for r in rows)
+    approximate = [r for r in rows if r.endswith("+ approximate (index) scores")]
+    assert len(approximate) == 1 and "re-ranked" not in approximate[0]
+    assert not any("FAISS" in r for r in rows) and len(rows) == len(ablations["rows"])
     assert all(r["test_ppl"] < base for name, r in rows.items() if name != "base LM")
     curve = ablations["subsample_curve"]
     assert [r["fraction"] for r in curve] == [0.1, 0.5, 1.0]

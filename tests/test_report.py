@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gnnlm import protocols
 from gnnlm.report import recall_buckets, row_name
 
 
@@ -56,6 +57,8 @@ def test_the_report_names_the_base_lm_and_lists_k_in_numeric_order():
                     "hidden_size": 32, "dtype": "bfloat16", "logit_softcap": 30.0,
                     "keys": {"final": "model.norm:output", "att": "model.layers.-1.mlp:input"}},
         "ppl": {"base": 10.0}, "valid_ppl": {"base": 11.0}, "hparams": {}, "retrieval": {},
+        "protocols": {"base": {"kind": "sliding_window", "context": 64, "stride": 32}},
+        "mean_left_context": {"base": 40.0},
         "timing_s": {},
         # as a head's manifest gives it back: JSON object keys are text, sorted as text
         "gnn_eval_k": {"chosen": 32, "valid_ppl": {"128": 9.0, "16": 8.0, "32": 7.0},
@@ -65,3 +68,56 @@ def test_the_report_names_the_base_lm_and_lists_k_in_numeric_order():
             "model.norm:output, att at model.layers.-1.mlp:input; logits soft-capped at 30).") \
         in text
     assert "| 16 | 8.00 | 1.0 |\n| 32 | 7.00 | 2.0 |\n| 128 | 9.00 | 3.0 |" in text
+
+
+def _segment_and_window_results() -> dict:
+    window = protocols.sliding_window(128, 64)
+    xl = {"kind": "segments", "segment": 128, "streams": 16}
+    return {"name": "run", "dataset": "corpus", "tokens": 245569,
+            "base_lm": {"name": "gpt", "fingerprint": "abc", "vocab_size": 512,
+                        "hidden_size": 32},
+            "ppl": {"base": 369.6, "knn": 341.9, "transformer": 366.8,
+                    "transformer_xl": 364.2, "spalm_xl": 358.8},
+            "valid_ppl": {}, "hparams": {}, "retrieval": {}, "timing_s": {},
+            "protocols": {"base": window, "knn": window, "transformer": {**xl, "memory": 0},
+                          "transformer_xl": {**xl, "memory": 128},
+                          "spalm_xl": {**xl, "memory": 128}},
+            "mean_left_context": {"base": 95.5, "knn": 95.5, "transformer": 63.5,
+                                  "transformer_xl": 190.4, "spalm_xl": 190.4},
+            "deviations": {"spalm_xl": ["gate bias", "memory scale"]}}
+
+
+def test_rows_scored_differently_are_in_separate_tables_each_headed_by_its_protocol():
+    """The segment models (cold-start streams, memory) and the sliding-window rows used to
+    share one table under a header naming the sliding window for all of them."""
+    from gnnlm.report import _markdown
+
+    text = _markdown(_segment_and_window_results())
+    window, segments = text.split("Scored with sliding windows")[1].split("Scored as contiguous")
+    assert window.startswith(" of 128 tokens, stride 64: every token scored once, with >= 64 "
+                             "tokens of left context (all of it near the split's start) "
+                             "(mean 95.5 on test):")
+    assert "| base LM |  | 369.60 |" in window and "| +kNN |  | 341.90 |" in window
+    assert "transformer" not in window.lower()
+    assert segments.startswith(" segments: the split cut into 16 streams, each read 128 tokens "
+                               "at a time from a cold start; every token scored once:")
+    assert "| transformer (no memory) | 0 | 63.5 |  | 366.80 |" in segments
+    assert "| Transformer-XL (short-term memory) | 128 | 190.4 |  | 364.20 |" in segments
+    # a deviation from the paper's equations is named in the row's label
+    assert ("| SPALM (short + long-term memory) (+gate bias, +memory scale) | 128 | 190.4 | "
+            " | 358.80 |") in segments
+
+
+def test_row_protocols_of_heads_interpolations_and_old_manifests():
+    from gnnlm.report import row_protocols
+
+    window = protocols.sliding_window(128, 64)
+    xl = protocols.segments(128, 16, 128)
+    heads = {"gnn": {"model_class": "GNNLM"}, "spalm_xl": {"protocol": xl},
+             "transformer_xl": {"model_class": "SpalmXL"}}
+    rows = row_protocols(dict.fromkeys(["base", "knn", "gnn", "gnn+knn", "spalm_xl",
+                                        "transformer_xl"]), heads, window)
+    assert rows["base"] == rows["knn"] == rows["gnn"] == rows["gnn+knn"] == window
+    assert rows["spalm_xl"] == xl
+    # a segment model trained before protocols were recorded is not assumed to be anything
+    assert rows["transformer_xl"]["kind"] == "unrecorded"

@@ -1,6 +1,8 @@
 """Search over the train keys: exact search, the Searcher conventions, similarity, rescore."""
 from __future__ import annotations
 
+import warnings
+
 import faiss
 import numpy as np
 import pytest
@@ -9,10 +11,13 @@ from fakes import write_features
 
 from gnnlm.index import IndexConfig, build_index
 from gnnlm.search import (
+    GPU_MAX_K,
     Searcher,
+    candidate_width,
     check_metric,
     exact_search,
     faiss_metric,
+    fits_gpu,
     normalize_rows,
     recall_at,
     rescore,
@@ -22,6 +27,12 @@ from gnnlm.search import (
 from gnnlm.workdir import Workdir
 
 pytestmark = pytest.mark.usefixtures("one_faiss_thread")
+
+
+def write_valid(wd, d, n=30):
+    """Valid features: the held-out queries the index's tuning measures recall on."""
+    rows = np.random.default_rng(11).standard_normal((n, d)).astype(np.float32)
+    write_features(wd.features("valid"), rows, split="valid")
 
 
 def brute_force(keys, queries, k, metric):
@@ -81,6 +92,7 @@ def test_searcher_similarity_conventions(tmp_path, metric):
     x = (rng.standard_normal((800, 16)) * rng.uniform(0.5, 2, (800, 1))).astype(np.float32)
     wd = Workdir(tmp_path)
     write_features(wd.features("train"), x)
+    write_valid(wd, d=16)
     build_index(wd, "final", metric, IndexConfig(factory="Flat", recall_queries=50))
     queries = rng.standard_normal((20, 16)).astype(np.float32)
     ref_sims, ref_ids = brute_force(x.astype(np.float16), queries, 8, metric)
@@ -104,6 +116,7 @@ def test_searcher_marks_missing_results(tmp_path):
     rng = np.random.default_rng(4)
     wd = Workdir(tmp_path)
     write_features(wd.features("train"), rng.standard_normal((400, 8)).astype(np.float32))
+    write_valid(wd, d=8)
     build_index(wd, "final", "l2", IndexConfig(factory="IVF16,Flat", recall_queries=10))
     sims, ids = Searcher.open(wd.index("final", "l2"), nprobe=1, rerank=0, device="cpu").search(
         rng.standard_normal((5, 8)).astype(np.float32), 200)
@@ -116,6 +129,7 @@ def test_search_errors_are_clear(tmp_path):
     x = np.random.default_rng(5).standard_normal((50, 16)).astype(np.float32)
     wd = Workdir(tmp_path)
     write_features(wd.features("train"), x)
+    write_valid(wd, d=16)
     build_index(wd, "final", "cos", IndexConfig(recall_queries=10))
     for searcher in (Searcher.open(wd.index("final", "cos")), Searcher.exact(wd)):
         with pytest.raises(ValueError, match=r"dimension 8.*dimension 16"):
@@ -195,3 +209,81 @@ def test_set_nprobe_reaches_the_ivf_inside_a_pipeline():
     assert faiss.extract_index_ivf(index).nprobe == 5
     flat = faiss.index_factory(8, "Flat")
     set_nprobe(flat, 5)                                               # nothing to set: no error
+
+
+def test_recall_at_matches_the_pairwise_definition():
+    """The sorted-table recall equals counting, per query, the approx ids among the exact ones
+    (-1 never counts), at the neighbours' widths too."""
+    rng = np.random.default_rng(8)
+    for n, k, ids in ((40, 300, 2000), (25, 7, 12)):
+        exact = np.stack([rng.permutation(ids)[:k] for _ in range(n)])
+        approx = np.where(rng.random((n, k)) < 0.5, exact, rng.integers(-1, ids, (n, k)))
+        approx = np.take_along_axis(approx, rng.permuted(np.tile(np.arange(k), (n, 1)),
+                                                         axis=1), axis=1)
+        exact[3, k // 2:] = -1                                       # fewer keys than k
+        for at in (1, k // 2, k):
+            a, e = approx[:, :at], exact[:, :at]
+            found = ((a[:, :, None] == e[:, None, :]) & (a[:, :, None] >= 0)).any(2).sum(1)
+            ref = np.mean(found / np.maximum((e >= 0).sum(1), 1))
+            assert recall_at(approx, exact, at) == pytest.approx(ref, abs=1e-12)
+
+
+def test_gpu_limit_applies_to_the_candidate_width_and_nprobe():
+    assert candidate_width(1024, 0.0, 10**6) == 1024
+    assert candidate_width(1024, 1.5, 10**6) == 1536
+    assert candidate_width(1537, 2.0, 10**6) == 3074
+    assert candidate_width(1024, 4.0, 3000) == 3000                    # at most the datastore
+    assert fits_gpu(1024, 64, 2.0, 10**6) and not fits_gpu(1025, 64, 2.0, 10**6)
+    assert fits_gpu(GPU_MAX_K, GPU_MAX_K, 0.0, 10**6)
+    assert not fits_gpu(8, GPU_MAX_K + 1, 0.0, 10**6)
+    assert fits_gpu(1024, None, 4.0, GPU_MAX_K)                         # exact search: no nprobe
+
+
+class FakeGpuIndex:
+    """Stands in for a faiss GPU index (none on this machine): it refuses k above the GPU
+    limit as GPU faiss does, and counts the searches it serves."""
+
+    def __init__(self, cpu):
+        self.cpu, self.calls = cpu, 0
+
+    def search(self, q, k):
+        if k > GPU_MAX_K:
+            raise RuntimeError(f"GPU index: k = {k} > {GPU_MAX_K}")
+        self.calls += 1
+        return self.cpu.search(q, k)
+
+
+def test_searches_beyond_the_gpu_limit_run_on_the_cpu_copy_and_say_so_once():
+    rng = np.random.default_rng(9)
+    keys = rng.standard_normal((3000, 8)).astype(np.float32)
+    queries = rng.standard_normal((4, 8)).astype(np.float32)
+    cpu = faiss.IndexFlatL2(8)
+    cpu.add(keys)
+
+    def on_gpu(nprobe, rerank):
+        searcher = Searcher(metric="l2", key="final", ntotal=3000, d=8,
+                            index=FakeGpuIndex(cpu), keys=keys)
+        searcher._cpu_index, searcher.nprobe, searcher.rerank = cpu, nprobe, rerank
+        return searcher
+
+    within = on_gpu(64, 2.0)                                          # 2 x 1024 = the limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        within.search(queries, 1024)
+    assert within.index.calls == 1
+    reference = Searcher(metric="l2", key="final", ntotal=3000, d=8, index=cpu, keys=keys)
+    reference.nprobe, reference.rerank = 64, 4.0                      # a plain CPU searcher
+    wide = on_gpu(64, 4.0)                                            # 4 x 1024 > the limit
+    with pytest.warns(UserWarning, match=rf"3000 candidates \(k=1024, rerank=4.0\) at "
+                                         rf"nprobe=64.*at most {GPU_MAX_K}.*CPU copy") as seen:
+        sims, ids = wide.search(queries, 1024)
+        wide.search(queries, 1024)
+    assert len(seen) == 1 and wide.index.calls == 0                   # once per searcher
+    ref_sims, ref_ids = reference.search(queries, 1024)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_array_equal(sims, ref_sims)
+    # an nprobe beyond the limit: the GPU copy would probe fewer lists, so the CPU one serves
+    deep = on_gpu(GPU_MAX_K + 1, 0.0)
+    with pytest.warns(UserWarning, match=rf"nprobe={GPU_MAX_K + 1}"):
+        deep.search(queries, 10)
+    assert deep.index.calls == 0

@@ -180,7 +180,9 @@ def reference(tokens_dir, tmp_path_factory) -> Path:
     """One-process features of the slice, an exact index over them, and train neighbours."""
     root = tmp_path_factory.mktemp("one")
     setup.features(root, tokens_dir)
-    build_index(Workdir(root), setup.KEY, setup.METRIC, IndexConfig(factory="Flat"))
+    # a Flat index is exact: no search setting to measure
+    build_index(Workdir(root), setup.KEY, setup.METRIC,
+                IndexConfig(factory="Flat", recall_queries=0))
     setup.neighbors(root)
     return root
 

@@ -38,7 +38,7 @@ def _batch(B=2, T=6, k=4, seed=1):
 # -- the model ----------------------------------------------------------------------------------
 def test_w_learns_from_the_input_the_retrieved_values_and_the_output():
     """W.grad is the sum of its three contributions; each path cut alone removes one of them."""
-    model = Spalm(_gpt(), gate_bias=0.0)
+    model = Spalm(_gpt(), gate_bias=0.0, memory_scale="learned")
     with torch.no_grad():
         model.gate.gate.weight.normal_(0, 0.3)           # a gate that depends on h
     inputs, targets, values = _batch()
@@ -77,7 +77,8 @@ def test_the_memory_scale_starts_at_the_norm_ratio_and_none_is_the_paper():
     gpt = _gpt().eval()
     with torch.no_grad():
         gpt.ln_f.weight.fill_(3.0)                       # h far larger than the embeddings
-    learned, paper = Spalm(gpt, gate_bias=0.0).eval(), Spalm(gpt, memory_scale="none").eval()
+    learned = Spalm(gpt, gate_bias=0.0, memory_scale="learned").eval()
+    paper = Spalm(gpt).eval()
     inputs, _, values = _batch()
     with torch.no_grad():
         h = gpt(inputs).final
@@ -96,6 +97,59 @@ def test_the_memory_scale_starts_at_the_norm_ratio_and_none_is_the_paper():
     assert Spalm(gpt, long_term=False).memory_parameters() == []
     with pytest.raises(ValueError, match="memory_scale must be one of"):
         Spalm(gpt, memory_scale="fixed")
+
+
+def test_the_defaults_are_the_paper_s_equations_and_each_deviation_is_named():
+    """SPALM eq. (§2): g_t = σ(W_g h_t), no bias; z_t = (1 − g_t) ⊙ m_t + g_t ⊙ h_t, m_t as it
+    is. The learned bias and memory scale are options, reported in the row's label."""
+    from gnnlm.runner import predict_extras
+
+    gpt = _gpt().eval()
+    paper = Spalm(gpt).eval()
+    assert paper.gate.gate.bias is None and paper.log_memory_scale is None
+    assert [name for name, _ in paper.named_parameters() if not name.startswith("lm.")] == [
+        "gate.gate.weight"]
+    inputs, _, values = _batch()
+    with torch.no_grad():
+        h = gpt(inputs).final.flatten(0, 1)
+        y = gpt.wte.weight[values.flatten(0, 1).clamp(min=0)]              # [n, k, d]
+        attn = torch.softmax(torch.einsum("nkd,nd->nk", y, h).masked_fill(
+            values.flatten(0, 1) < 0, float("-inf")), -1).nan_to_num(0.0)
+        m = torch.einsum("nk,nkd->nd", attn, y)
+        g = torch.sigmoid(h @ paper.gate.gate.weight.T)                     # 1/2 at the start
+        expected = ((1 - g) * m + g * h) @ gpt.wte.weight.T
+        out = paper(inputs, values)
+    torch.testing.assert_close(out.logits.flatten(0, 1), expected)
+    torch.testing.assert_close(out.gate, torch.full_like(out.gate, 0.5))
+    assert predict_extras(_module_for_deviations()) == {"deviations": ["gate bias",
+                                                                       "memory scale"]}
+
+
+def _module_for_deviations():
+    class Module:  # what predict_extras reads of a SpalmXL with both deviations on
+        def deviations(self):
+            return ["gate bias", "memory scale"]
+    return Module()
+
+
+def test_head_logits_are_float32_under_bf16_autocast():
+    """A bf16 trainer preset runs the model under autocast; the softmaxes over the vocabulary
+    must still be float32, as the base LM's log-probabilities are."""
+    from gnnlm.heads import MultiEmbeddingSoftmax
+
+    gpt = _gpt().eval()
+    spalm, plain = Spalm(gpt).eval(), Spalm(gpt, long_term=False).eval()
+    wds = MultiEmbeddingSoftmax(V, gpt.hidden_size, n=2)
+    inputs, _, values = _batch()
+    with torch.no_grad():
+        reference = (spalm(inputs, values).logits, plain(inputs).logits,
+                     wds(gpt(inputs).final.flatten(0, 1)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = gpt(inputs).final
+            mixed = (spalm.head(h, values)[0], plain.head(h)[0], wds(h.flatten(0, 1)))
+    for got, want in zip(mixed, reference):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)  # h itself came from bf16
 
 
 def test_gate_one_is_exactly_transformer_xl_and_no_long_term_memory_is_the_gpt():
@@ -162,7 +216,7 @@ def _data(work, **kw):
 
     wd, ckpt, _ = work
     args = dict(workdir=str(wd.root), retrieved=K, block_size=5, batch_size=3,
-                eval_batch_size=4, base_lm_path=ckpt)
+                eval_streams=4, base_lm_path=ckpt)
     return SpalmDataModule(**{**args, **kw})
 
 
@@ -193,6 +247,33 @@ def test_data_partitions_every_split_with_its_neighbour_values(work):
                                   neighbor_values(ids[p], train_targets))
         seen = torch.cat(seen)
         assert sorted(seen.tolist()) == list(range(n)), split   # every position exactly once
+
+
+def test_evaluation_streams_are_the_same_on_any_number_of_processes(work):
+    """Every stream starts cold, so the number of streams is part of the protocol: valid/test
+    read eval_streams streams in all, split among the processes, never batch x processes."""
+    from types import SimpleNamespace
+
+    one = _data(work)
+    items = {}
+    for world in (1, 2, 4):
+        data = _data(work)
+        served = []
+        for rank in range(world):
+            data.trainer = SimpleNamespace(world_size=world, global_rank=rank)
+            loader = data.val_dataloader()
+            assert loader.batch_size == 4 // world
+            served += [tuple(loader.dataset[i]["positions"].tolist())
+                       for i in loader.sampler]
+            assert len(loader.dataset) == len(one.segments("valid", 4))
+        items[world] = sorted(set(served))
+        assert data.scoring_protocol(5) == {"kind": "segments", "segment": 5, "streams": 4,
+                                            "memory": 5}
+    assert items[1] == items[2] == items[4]
+    data = _data(work, eval_streams=3)
+    data.trainer = SimpleNamespace(world_size=2, global_rank=0)
+    with pytest.raises(ValueError, match="eval_streams = 3 must be a multiple of the 2 "):
+        data.val_dataloader()
 
 
 def test_data_refuses_what_the_neighbours_cannot_serve(work):

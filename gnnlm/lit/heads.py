@@ -29,15 +29,22 @@ class GateHistogram:
     def on_predict_epoch_start(self) -> None:
         self.gate_histogram = torch.zeros(20, dtype=torch.long)  # of the last predict run
 
+    def deviations(self) -> list[str]:
+        """A learned gate bias is not in the paper's gate (the report names it in the label)."""
+        return [] if self.hparams.gate_bias is None else ["gate bias"]
+
 
 class SpalmLM(GateHistogram, TokenLevelModule):
     uses_output_embedding = True
 
-    def __init__(self, vocab_size: int = 0, feature_dim: int = 0, gate_bias: float = 2.0,
+    def __init__(self, vocab_size: int = 0, feature_dim: int = 0,
+                 gate_bias: Optional[float] = None,
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
                  min_lr_ratio: float = 0.1):
         """Only the gate w_g is trained; W is the base LM's frozen output embedding, so with
-        g = 1 the head is exactly the base LM. ``vocab_size``/``feature_dim`` come from the data."""
+        g = 1 the head is exactly the base LM. ``vocab_size``/``feature_dim`` come from the data.
+        ``gate_bias``: None is the paper's gate; a number starts a learned bias there
+        (``SpalmGate``)."""
         super().__init__()
         self.save_hyperparameters()
         self.head = SpalmGate(feature_dim, gate_bias)
@@ -58,7 +65,8 @@ class SpalmLM(GateHistogram, TokenLevelModule):
 class SpalmFinetuneLM(GateHistogram, TokenLevelModule):
     def __init__(self, base_lm: str = "", vocab_size: int = 0, feature_dim: int = 0,
                  base_lm_fingerprint: Optional[str] = None,
-                 base_lm_options: Optional[dict] = None, gate_bias: float = 2.0,
+                 base_lm_options: Optional[dict] = None,
+                 gate_bias: Optional[float] = None,
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
                  min_lr_ratio: float = 0.1):
         """SPALM (``SpalmGate``) on the base LM ``base_lm`` (a ``gnnlm fit`` checkpoint or

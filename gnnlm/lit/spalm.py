@@ -41,8 +41,8 @@ INITS = ("warm", "scratch")
 class SpalmXL(TokenLevelModule):
     def __init__(self, base_lm: str = "", base_lm_fingerprint: Optional[str] = None,
                  vocab_size: int = 0, k: int = 4, memory_length: int = 128,
-                 init: str = "warm", dropout: Optional[float] = None, gate_bias: float = 2.0,
-                 memory_scale: str = "learned",
+                 init: str = "warm", dropout: Optional[float] = None,
+                 gate_bias: Optional[float] = None, memory_scale: str = "none",
                  k_curve: Optional[list[int]] = None, k_curve_tokens: Optional[int] = None,
                  lr: float = 1e-3, gate_lr: Optional[float] = None, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50,
@@ -56,9 +56,9 @@ class SpalmXL(TokenLevelModule):
         ``dropout``: None keeps the base LM's. ``k_curve``: the k's at which predict on valid
         also scores the model (Table 5; at most the values the data carries, and those at
         most the stored K); ``k_curve_tokens``: only the first that many valid positions.
-        ``memory_scale``: ``"learned"`` (the retrieved-value vector m_t enters as s·m_t, s
-        learned and started at ‖h‖/‖y‖: ``gnnlm.spalm`` says why a warm start needs it) or
-        ``"none"`` (the paper's m_t).
+        ``gate_bias`` and ``memory_scale``: None and ``"none"`` are the paper's equations; a
+        number starts a learned gate bias, ``"learned"`` scales m_t by a learned s started at
+        ‖h‖/‖y‖ (``gnnlm.spalm`` says what each changes; the report names those on).
         ``gate_lr``: the learning rate of what SPALM adds (w_g and log s; None: ``lr``); a
         warm-started LM wants a small step, while w_g starts from zero.
         """
@@ -240,11 +240,21 @@ class SpalmXL(TokenLevelModule):
         d dimensions for every position of the split."""
         return {f"{split}_gate": means for split, means in self.gate_means.items()}
 
+    def deviations(self) -> list[str]:
+        """The options on that the paper's SPALM does not have (none for the baselines, which
+        have no gate); the report names them in the row's label."""
+        if self.model.gate is None:
+            return []
+        hp = self.hparams
+        return ([] if hp.gate_bias is None else ["gate bias"]) + (
+            ["memory scale"] if hp.memory_scale != "none" else [])
+
     def report_extras(self) -> dict:
         """What the report reads besides the scores (JSON)."""
         hp = self.hparams
         extras: dict = {"spalm": {"k": hp.k, "memory_length": hp.memory_length,
-                                  "init": hp.init}}
+                                  "init": hp.init, "gate_bias": hp.gate_bias,
+                                  "memory_scale": hp.memory_scale}}
         if self.gate_means:
             extras["spalm"]["gate_mean"] = {split: float(np.nanmean(means))
                                             for split, means in self.gate_means.items()}
