@@ -215,6 +215,9 @@ class PipelineConfig:
     transformer: HeadStage = field(default_factory=HeadStage)
     transformer_xl: HeadStage = field(default_factory=HeadStage)
     spalm_xl: HeadStage = field(default_factory=HeadStage)
+    # the same SPALM with options the paper does not have (a gate bias, a memory scale): its
+    # own row, labelled with them, beside the paper's form
+    spalm_xl_variant: HeadStage = field(default_factory=HeadStage)
     learned_wds: LearnedWdsStage = field(default_factory=LearnedWdsStage)
     ablations: AblationStage = field(default_factory=AblationStage)
     rebuild: Union[bool, list[str]] = False
@@ -230,12 +233,14 @@ class PipelineConfig:
 
     def heads(self) -> dict[str, list[str]]:
         """Trained heads by report row: ``gnn``, ``spalm``, ``spalm_ft``, ``transformer``,
-        ``transformer_xl``, ``spalm_xl``, ``learned_wds…``."""
+        ``transformer_xl``, ``spalm_xl``, ``spalm_xl_variant``, ``learned_wds…``."""
         rows = {"gnn": yaml_list(self.gnn.config), "spalm": yaml_list(self.spalm.config),
                 "spalm_ft": yaml_list(self.spalm_finetune.config),
                 "transformer": yaml_list(self.transformer.config),
                 "transformer_xl": yaml_list(self.transformer_xl.config),
-                "spalm_xl": yaml_list(self.spalm_xl.config), **self.learned_wds.named()}
+                "spalm_xl": yaml_list(self.spalm_xl.config),
+                "spalm_xl_variant": yaml_list(self.spalm_xl_variant.config),
+                **self.learned_wds.named()}
         return {name: paths for name, paths in rows.items() if paths}
 
 

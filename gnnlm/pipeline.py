@@ -17,14 +17,14 @@ from typing import Optional
 
 import numpy as np
 
-from gnnlm.ablations import ABLATIONS_VERSION, outdated, run_ablations
+from gnnlm.ablations import ABLATIONS_VERSION, neighbours_label, outdated, run_ablations
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.checkpoints import datamodule_args
 from gnnlm.config import CorpusStage, PipelineConfig, load_config, merged_yaml, yaml_list
 from gnnlm.datastore import build_all_features
 from gnnlm.index import build_index
 from gnnlm.knn import fit_and_score, fit_lambda, interpolate
-from gnnlm.knn_cache import build_knn_cache, open_knn_cache
+from gnnlm.knn_cache import build_knn_cache, open_knn_cache, search_facts
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
 from gnnlm.neighbors import build_neighbors
@@ -145,6 +145,15 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
     return {"index": index, "neighbors": neighbors}
 
 
+def search_label(workdir: Workdir, cfg: PipelineConfig, key: str) -> dict:
+    """What a kNN-LM row's neighbours and scores are, from its test cache's manifest (an index
+    searched with re-ranking gives exact scores whatever ``knn.scores`` says)."""
+    manifest = read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, "test"))
+    facts = search_facts(manifest, workdir)
+    return {"neighbours": neighbours_label(facts),
+            "scores": "exact" if facts["scores_are_exact"] else "approximate (index)"}
+
+
 def knn_caches(cfg: PipelineConfig, workdir: Workdir, key: str,
                lm_logprob: Optional[dict] = None) -> dict:
     """The valid/test caches of ``key``; ``lm_logprob`` swaps in another model's scores."""
@@ -237,7 +246,7 @@ def run(cfg: PipelineConfig) -> dict:
         name = "knn" if key == cfg.knn.primary else f"knn[{key}]"
         scores[name] = {"test": result.pop("test_logprob")}
         hparams[name] = {**result, "similarity": cfg.knn.metric, "key": key,
-                         "scores": cfg.knn.scores}
+                         **search_label(workdir, cfg, key)}
     heads = stage_heads(cfg, workdir)
     for name, manifest in heads.items():
         scores[name] = {s: head_logprobs(workdir, manifest["config"]["name"], s)
@@ -246,7 +255,8 @@ def run(cfg: PipelineConfig) -> dict:
         caches = knn_caches(cfg, workdir, cfg.knn.primary, scores["gnn"])
         result = fit_and_score(caches["valid"], caches["test"], *grid)
         scores["gnn+knn"] = {"test": result.pop("test_logprob")}
-        hparams["gnn+knn"] = {**result, "similarity": cfg.knn.metric, "key": cfg.knn.primary}
+        hparams["gnn+knn"] = {**result, "similarity": cfg.knn.metric, "key": cfg.knn.primary,
+                              **search_label(workdir, cfg, cfg.knn.primary)}
     for name in cfg.learned_wds.named():  # Xu et al. §4.1: interpolated with the base LM
         lam, valid_ppl = fit_lambda(scores["base"]["valid"], scores[name]["valid"], grid[2])
         scores[f"{name}+base"] = {"test": interpolate(scores["base"]["test"],

@@ -68,13 +68,16 @@ def left_context(protocol: Protocol, n: int) -> np.ndarray:
     raise ValueError(f"Unknown scoring protocol {protocol!r}.")
 
 
-def describe(protocol: Protocol, with_memory: bool = True) -> str:
-    """One line for a report's table header."""
+def describe(protocol: Protocol, with_memory: bool = True,
+             mean_left_context: float | None = None) -> str:
+    """One line for a report's table header (with the mean left context when given)."""
     if protocol["kind"] == "sliding_window":
         c, s = protocol["context"], protocol["stride"]
         bos = " (BOS first in every window)" if protocol.get("bos_each_window") else ""
+        mean = ("" if mean_left_context is None else
+                f"mean {mean_left_context:.1f} on test; ")
         return (f"sliding windows of {c} tokens{bos}, stride {s}: every token scored once, with "
-                f">= {c - s} tokens of left context (all of it near the split's start)")
+                f">= {c - s} tokens of left context ({mean}all of it near the split's start)")
     if protocol["kind"] == "segments":
         memory = (f", memory of the previous {protocol['memory']} tokens carried"
                   if with_memory and protocol["memory"] else "")

@@ -25,7 +25,9 @@ ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+k
              "spalm": "SPALM: gate on frozen LM", "spalm_ft": "SPALM: gate + last block",
              "transformer": "transformer (no memory)",
              "transformer_xl": "Transformer-XL (short-term memory)",
-             "spalm_xl": "SPALM (short + long-term memory)"}
+             "spalm_xl": "SPALM (short + long-term memory)",
+             # its options are named after it, from the head's manifest
+             "spalm_xl_variant": "SPALM (short + long-term memory)"}
 
 
 def row_name(name: str, deviations: Optional[list[str]] = None) -> str:
@@ -199,8 +201,8 @@ def _table_markdown(results: dict, protocol: Protocol, names: list[str]) -> list
                          f"{left[name]:.1f} | {'' if valid is None else f'{valid:.2f}'} | "
                          f"{ppl[name]:.2f} |")
         return lines
-    mean = f" (mean {left[names[0]]:.1f} on test)" if names[0] in left else ""
-    lines = [f"Scored with {protocols.describe(protocol)}{mean}:", "",
+    lines = [f"Scored with {protocols.describe(protocol, mean_left_context=left.get(names[0]))}:",
+             "",
              "| model | valid ppl | test ppl |", "|---|---:|---:|"]
     for name in names:
         valid = valid_ppl.get(name)
@@ -313,7 +315,8 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
         if len(per_split["test"]) != test_n:
             raise RuntimeError(f"{name} scored {len(per_split['test'])} test tokens, not {test_n}.")
     order = ["base", "knn", *sorted(n for n in scores if n.startswith("knn[")), "gnn", "gnn+knn",
-             "spalm", "spalm_ft", "transformer", "transformer_xl", "spalm_xl"]
+             "spalm", "spalm_ft", "transformer", "transformer_xl", "spalm_xl",
+             "spalm_xl_variant"]
     names = [n for n in order if n in scores] + sorted(n for n in scores if n not in order)
     ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}

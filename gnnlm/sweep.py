@@ -126,8 +126,11 @@ def run_sweep(valid_cache: Any, test_cache: Any, out_dir: str | Path, ks: Sequen
         "test_tokens": int(len(test["lm_logprob"])), "seconds": round(seconds, 4),
         "points_per_s": round(grid.size / seconds, 2) if seconds > 0 else None,
         "grid": {"k": ks, "temperature": temperatures, "lambda": lambdas},
+        # what was searched (an index re-ranked exactly gives exact scores whatever ``scores``
+        # says); caches from before these were recorded leave them None
         "cache": {f: valid_manifest.get(f) for f in ("key", "metric", "scores", "K", "factory",
-                                                     "backend")},
+                                                     "backend", "nprobe", "rerank",
+                                                     "scores_are_exact")},
     }
 
     # A best value on the edge of its axis may lie beyond the grid (λ = 0: the kNN part does

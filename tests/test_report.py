@@ -95,8 +95,8 @@ def test_rows_scored_differently_are_in_separate_tables_each_headed_by_its_proto
     text = _markdown(_segment_and_window_results())
     window, segments = text.split("Scored with sliding windows")[1].split("Scored as contiguous")
     assert window.startswith(" of 128 tokens, stride 64: every token scored once, with >= 64 "
-                             "tokens of left context (all of it near the split's start) "
-                             "(mean 95.5 on test):")
+                             "tokens of left context (mean 95.5 on test; all of it near the "
+                             "split's start):")
     assert "| base LM |  | 369.60 |" in window and "| +kNN |  | 341.90 |" in window
     assert "transformer" not in window.lower()
     assert segments.startswith(" segments: the split cut into 16 streams, each read 128 tokens "
