@@ -154,7 +154,7 @@ def base_lm_line(identity: dict) -> str:
     return line + ")"
 
 
-def row_protocols(scores: dict, heads: dict, features: Protocol) -> dict[str, Protocol]:
+def row_protocols(names: list[str], heads: dict, features: Protocol) -> dict[str, Protocol]:
     """The protocol of every row: a head's as its manifest records it; the datastore's sliding
     windows for the base LM and kNN-LM, and for an interpolation, its head's. A head trained
     before protocols were recorded reads the features, unless it is a segment model, whose
@@ -168,7 +168,7 @@ def row_protocols(scores: dict, heads: dict, features: Protocol) -> dict[str, Pr
         return features
 
     rows = {}
-    for name in scores:
+    for name in names:
         head = name.split("+")[0] if name not in heads else name
         rows[name] = of_head(heads[head]) if head in heads else features
     return rows
@@ -322,7 +322,7 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
     valid_ppl.update({name: hp["valid_ppl"] for name, hp in hparams.items() if "valid_ppl" in hp})
     features_protocol = protocols.of_features(feature_manifests["test"])
-    row_protocol = row_protocols({name: None for name in names}, heads, features_protocol)
+    row_protocol = row_protocols(names, heads, features_protocol)
     # each distinct protocol's left context, computed once
     left = {repr(p): float(protocols.left_context(p, test_n).mean())
             for p in row_protocol.values() if p["kind"] != "unrecorded"}

@@ -115,9 +115,40 @@ def test_row_protocols_of_heads_interpolations_and_old_manifests():
     xl = protocols.segments(128, 16, 128)
     heads = {"gnn": {"model_class": "GNNLM"}, "spalm_xl": {"protocol": xl},
              "transformer_xl": {"model_class": "SpalmXL"}}
-    rows = row_protocols(dict.fromkeys(["base", "knn", "gnn", "gnn+knn", "spalm_xl",
-                                        "transformer_xl"]), heads, window)
+    rows = row_protocols(["base", "knn", "gnn", "gnn+knn", "spalm_xl", "transformer_xl"], heads,
+                         window)
     assert rows["base"] == rows["knn"] == rows["gnn"] == rows["gnn+knn"] == window
     assert rows["spalm_xl"] == xl
     # a segment model trained before protocols were recorded is not assumed to be anything
     assert rows["transformer_xl"]["kind"] == "unrecorded"
+
+
+def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used():
+    """Not the index's tuned setting: the neighbours may have been searched exactly, or with
+    another nprobe / re-ranking; and the recall at the neighbours' depth K, when measured."""
+    from gnnlm.report import _retrieval_facts, _retrieval_line
+
+    table = [{"nprobe": 4, "rerank": 1.0, "depth": 128, "recall@10": 0.93, "recall@100": 0.82,
+              "recall@128": 0.8, "queries_per_s": 900.0, "gpu_ok": True},
+             {"nprobe": 8, "rerank": 0.0, "depth": 128, "recall@10": 0.75, "recall@100": 0.7,
+              "recall@128": 0.69, "queries_per_s": 2000.0, "gpu_ok": True}]
+    index = {"factory": "IVF4096,SQ8", "nprobe": 4, "rerank": 1.0, "tuning": table,
+             "recall": {"10": 0.93, "100": 0.82}}
+    train = {"masked_fraction": 0.005, "leakage_window": 128}
+
+    def line(**test) -> str:
+        neighbours = {"test": {"K": 128, "queries_per_s": 1000.0, **test}, "train": train}
+        return _retrieval_line("final", _retrieval_facts({"index": index,
+                                                          "neighbors": neighbours}))
+
+    used = line(backend="index", factory="IVF4096,SQ8", nprobe=8, rerank=0.0)
+    assert ("index IVF4096,SQ8, nprobe 8, re-ranking 0.0x, K = 128: recall@10 0.75, recall@100 "
+            "0.7, recall@128 0.69 against exact search (searched 128 deep)") in used
+    assert "0.93" not in used                     # never the index's own chosen setting's
+    assert "recall of this setting not measured" in line(backend="index", factory="IVF4096,SQ8",
+                                                         nprobe=16, rerank=2.0)
+    exact = line(backend="exact", factory="exact", nprobe=None, rerank=None)
+    assert "exact search, K = 128" in exact and "recall" not in exact
+    assert "masked for leakage (W = 128): 0.005" in exact
+    train.update(leakage_window=None, masked_fraction=None)
+    assert "not masked for leakage" in line(backend="exact", factory="exact")

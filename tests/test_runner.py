@@ -67,3 +67,25 @@ def test_a_checkpoint_written_by_the_trainer_restores_the_best_weights(tmp_path)
     ids = torch.randint(0, 30, (2, 8))
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids).final, model.eval().model(ids).final)
+
+
+def test_a_head_records_the_protocol_it_was_scored_with(tmp_path):
+    """Segment models say their segments, streams and memory (the data module's own); heads
+    that score the datastore's positions read its sliding windows (the features' manifest)."""
+    from gnnlm.artifacts import ArtifactBuilder
+    from gnnlm.runner import scoring_protocol
+    from gnnlm.workdir import Workdir
+
+    wd = Workdir(tmp_path)
+    builder = ArtifactBuilder(wd.features("test"), kind="features",
+                              config={"split": "test", "context": 128, "stride": 64,
+                                      "bos_each_window": True})
+    with builder:
+        builder.finish(extra={"n": 0})
+    segments = SimpleNamespace(scoring_protocol=lambda memory: {"kind": "segments",
+                                                                "segment": 128, "streams": 16,
+                                                                "memory": memory})
+    assert scoring_protocol(SimpleNamespace(memory_length=128), segments, wd)["memory"] == 128
+    assert scoring_protocol(SimpleNamespace(), segments, wd)["memory"] == 0
+    assert scoring_protocol(SimpleNamespace(), SimpleNamespace(), wd) == {
+        "kind": "sliding_window", "context": 128, "stride": 64, "bos_each_window": True}
