@@ -148,8 +148,9 @@ class SpalmDataModule(pl.LightningDataModule):
         else:
             n_streams = self.hparams.eval_streams
             if n_streams % world:
-                raise ValueError(f"eval_streams = {n_streams} must be a multiple of the "
-                                 f"{world} processes (each reads as many streams).")
+                raise ValueError(f"data.eval_streams = {n_streams} must be a multiple of the "
+                                 f"{world} processes (each reads as many streams): set it to "
+                                 f"{world * -(-n_streams // world)}.")
             batch_size = n_streams // world
         data = self.segments(split, n_streams)
         return DataLoader(data, batch_size=batch_size, shuffle=False,
