@@ -1,6 +1,7 @@
 """Integration on the WikiText-2 slice of ``configs/tests/pipeline.yaml``: SPALM trained end to
-end against the transformer and Transformer-XL trained the same way, each scoring the same test
-tokens once on contiguous segments, and SPALM's analyses in the report."""
+end (the paper's form, and with its two options) against the transformer and Transformer-XL
+trained the same way, each scoring the same test tokens once on contiguous segments, and
+SPALM's analyses in the report."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,14 +15,14 @@ pytestmark = pytest.mark.integration
 ROWS = ("transformer", "transformer_xl", "spalm_xl", "spalm_xl_variant")
 
 
-def test_the_three_rows_score_every_token_of_the_same_splits(results, workdir):
+def test_the_four_rows_score_every_token_of_the_same_splits(results, workdir):
     wd = Workdir(workdir)
     assert set(ROWS) <= set(results["ppl"]) and set(ROWS) <= set(results["valid_ppl"])
     for row in ROWS:
         for split in ("valid", "test"):
             logprob = np.asarray(open_array(wd.head(row), f"{split}_logprob"))
             assert len(logprob) == wd.n_positions(split) and np.all(logprob <= 0)
-    assert read_manifest(wd.head("spalm_xl"))["spalm"]["k"] == 4
+    assert read_manifest(wd.head("spalm_xl"))["spalm"]["k"] == 16  # spalm_xl_cpu.yaml
     assert read_manifest(wd.head("transformer_xl"))["model_class"] == "SpalmXL"
 
 
@@ -61,9 +62,9 @@ def test_spalm_analyses_are_in_the_report(results, workdir):
         assert sum(hist["counts"]) == hist["tokens"] == wd.n_positions(split)  # tokens, not dims
         assert 0 < hist["mean"] < 1
     curve = analysis["k_curve"]
-    assert curve["k"] == [1, 2, 4, 8, 16] and curve["trained_k"] == 4
+    assert curve["k"] == [1, 2, 4, 8, 16] and curve["trained_k"] == 16
     assert curve["tokens"] == wd.n_positions("valid")
-    trained = curve["ppl"][curve["k"].index(4)]
+    trained = curve["ppl"][curve["k"].index(16)]
     assert trained == pytest.approx(results["valid_ppl"]["spalm_xl"], rel=1e-3)
     buckets = analysis["frequency_buckets"]
     assert buckets["baseline"] == "transformer_xl"
