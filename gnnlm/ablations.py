@@ -181,24 +181,24 @@ def run_ablations(stage: AblationStage, workdir: Workdir, keys: list[str], metri
     not scored and why (the same computation as a row above, or an index with exact scores)."""
     primary = keys[0]
 
-    def cached(key: str) -> dict:
-        return {s: open_knn_cache(workdir.knn_cache(key, metric, scores, s)) for s in EVAL_SPLITS}
+    cached = {key: {s: open_knn_cache(workdir.knn_cache(key, metric, scores, s))
+                    for s in EVAL_SPLITS} for key in keys}                # (manifest, arrays)
 
     def facts_of(key: str) -> dict:
-        per_split = {s: search_facts(manifest, workdir) for s, (manifest, _) in cached(key).items()}
+        per_split = {s: search_facts(manifest, workdir) for s, (manifest, _) in cached[key].items()}
         if per_split["valid"] != per_split["test"]:  # one label must describe both splits
             raise ArtifactError(f"The valid and test kNN caches of key {key} come from different "
                                 f"searches ({per_split['valid']} vs {per_split['test']}): rebuild "
                                 f"them (--rebuild=[neighbors,knn_cache]).")
         return per_split["test"]
 
-    K = int(cached(primary)["valid"][1]["sims"].shape[1])
+    K = int(cached[primary]["valid"][1]["sims"].shape[1])
     ev = Evaluator(workdir, primary, stage, grid, K)
     n = {s: len(ev.splits[s]["targets"]) for s in ev.splits}
 
     def sliced(key: str) -> dict:
         return {s: {name: np.asarray(a[: n[s]]) for name, a in arrays.items()}
-                for s, (_, arrays) in cached(key).items()}
+                for s, (_, arrays) in cached[key].items()}
 
     rows: list[dict[str, Any]] = [
         {"row": "base LM", "test_ppl": ppl_from_logprobs(ev.splits["test"]["lm_logprob"]),

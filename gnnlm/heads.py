@@ -10,14 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gnnlm.models.base import softcap
-
-
-def float32(h: Tensor) -> torch.autocast:
-    """A region where mixed-precision autocast is off: the heads' softmaxes over the vocabulary
-    are computed in float32 (as the base LM's log-probabilities are) even when a bf16 trainer
-    preset runs the rest of the model under autocast."""
-    return torch.autocast(h.device.type, enabled=False)
+from gnnlm.models.base import float32, softcap
 
 
 class SpalmGate(nn.Module):
@@ -61,27 +54,20 @@ class SpalmGate(nn.Module):
         base LM's final-logit soft-capping (Gemma 2), so that g = 1 is the base LM.
         Computed in float32 whatever the autocast around it."""
         with float32(h):
-            return self._forward(h.float(), nbr_values, weight.float(),
-                                 None if bias is None else bias.float(), force_gate,
-                                 None if value_weight is None else value_weight.float(),
-                                 memory_scale, logit_softcap)
-
-    def _forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 force_gate: Optional[float], value_weight: Optional[Tensor],
-                 memory_scale: Optional[Tensor], logit_softcap: Optional[float]
-                 ) -> tuple[Tensor, Tensor]:
-        valid = nbr_values >= 0                                           # [B, K]
-        table = weight if value_weight is None else value_weight
-        y = table[nbr_values.clamp(min=0)]                                # [B, K, d]
-        scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
-        attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)              # no neighbour → m = 0
-        m = torch.einsum("bk,bkd->bd", attn, y)                           # [B, d]
-        if memory_scale is not None:
-            m = memory_scale * m
-        g = torch.sigmoid(self.gate(h)) if force_gate is None \
-            else torch.full_like(h, float(force_gate))                    # [B, d]
-        z = (1 - g) * m + g * h
-        return softcap(F.linear(z, weight, bias), logit_softcap), g
+            h, weight = h.float(), weight.float()
+            valid = nbr_values >= 0                                       # [B, K]
+            table = weight if value_weight is None else value_weight.float()
+            y = table[nbr_values.clamp(min=0)]                            # [B, K, d]
+            scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
+            attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)          # no neighbour → m = 0
+            m = torch.einsum("bk,bkd->bd", attn, y)                       # [B, d]
+            if memory_scale is not None:
+                m = memory_scale * m
+            g = torch.sigmoid(self.gate(h)) if force_gate is None \
+                else torch.full_like(h, float(force_gate))                # [B, d]
+            z = (1 - g) * m + g * h
+            logits = F.linear(z, weight, None if bias is None else bias.float())
+            return softcap(logits, logit_softcap), g
 
 
 class MultiEmbeddingSoftmax(nn.Module):

@@ -323,15 +323,12 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
     valid_ppl.update({name: hp["valid_ppl"] for name, hp in hparams.items() if "valid_ppl" in hp})
     features_protocol = protocols.of_features(feature_manifests["test"])
     row_protocol = row_protocols(names, heads, features_protocol)
-    # each distinct protocol's left context, computed once
-    left = {repr(p): float(protocols.left_context(p, test_n).mean())
-            for p in row_protocol.values() if p["kind"] != "unrecorded"}
     results = {
         "name": cfg.name, "dataset": store.manifest["config"]["corpus"], "split": "test",
         "tokens": int(test_n), "protocol": feature_manifests["test"]["protocol"],
         "protocols": row_protocol,
-        "mean_left_context": {name: left[repr(p)] for name, p in row_protocol.items()
-                              if repr(p) in left},
+        "mean_left_context": {name: float(protocols.left_context(p, test_n).mean())
+                              for name, p in row_protocol.items() if p["kind"] != "unrecorded"},
         "deviations": {name: heads[name]["deviations"] for name in names
                        if name in heads and heads[name].get("deviations")},
         "level": store.level, "ppl": ppl, "valid_ppl": valid_ppl, "hparams": hparams,

@@ -50,7 +50,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from gnnlm.heads import SpalmGate, float32
+from gnnlm.heads import SpalmGate
+from gnnlm.models.base import float32
 from gnnlm.models.gpt import GPT
 
 MEMORY_SCALES = ("none", "learned")

@@ -4,6 +4,7 @@ every split with the right neighbour values, and the analyses count tokens."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import faiss
 import numpy as np
@@ -121,15 +122,8 @@ def test_the_defaults_are_the_paper_s_equations_and_each_deviation_is_named():
         out = paper(inputs, values)
     torch.testing.assert_close(out.logits.flatten(0, 1), expected)
     torch.testing.assert_close(out.gate, torch.full_like(out.gate, 0.5))
-    assert predict_extras(_module_for_deviations()) == {"deviations": ["gate bias",
-                                                                       "memory scale"]}
-
-
-def _module_for_deviations():
-    class Module:  # what predict_extras reads of a SpalmXL with both deviations on
-        def deviations(self):
-            return ["gate bias", "memory scale"]
-    return Module()
+    both = SimpleNamespace(deviations=lambda: ["gate bias", "memory scale"])  # as SpalmXL says
+    assert predict_extras(both) == {"deviations": ["gate bias", "memory scale"]}
 
 
 def test_head_logits_are_float32_under_bf16_autocast():
@@ -252,8 +246,6 @@ def test_data_partitions_every_split_with_its_neighbour_values(work):
 def test_evaluation_streams_are_the_same_on_any_number_of_processes(work):
     """Every stream starts cold, so the number of streams is part of the protocol: valid/test
     read eval_streams streams in all, split among the processes, never batch x processes."""
-    from types import SimpleNamespace
-
     one = _data(work)
     items = {}
     for world in (1, 2, 4):

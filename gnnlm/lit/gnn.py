@@ -30,7 +30,7 @@ from gnnlm.gnn_layer import GNNStack
 from gnnlm.graph import METADATA, GraphConfig
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.metrics import target_nll
-from gnnlm.models.base import softcap
+from gnnlm.models.base import float32, softcap
 from gnnlm.window_states import NodeFeatures, WindowStates
 
 
@@ -107,7 +107,7 @@ class GNNLM(TokenLevelModule):
                              "data module's eval_windows='per_retrieval'.")
         else:
             h = self.gnn(batch.x_dict, batch.edge_index_dict)["ctx"]       # [n_ctx, d]
-        with torch.autocast(h.device.type, enabled=False):  # the softmax stays in float32
+        with float32(h):  # the softmax stays in float32
             return softcap(F.linear(h.float(), *self.output_embedding()), self.logit_softcap)
 
     def token_nll(self, batch, stage: str):

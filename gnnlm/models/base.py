@@ -21,6 +21,13 @@ from torch.nn import functional as F
 FEATURE_KEYS = ("final", "att")
 
 
+def float32(h: Tensor) -> torch.autocast:
+    """A region where mixed-precision autocast is off: softmaxes over the vocabulary are
+    computed in float32 (as the base LM's log-probabilities are) even when a bf16 trainer preset
+    runs the rest of the model under autocast."""
+    return torch.autocast(h.device.type, enabled=False)
+
+
 def softcap(logits: Tensor, cap: Optional[float]) -> Tensor:
     """``cap · tanh(logits / cap)``: the final-logit soft-capping of Gemma 2/3 (None: as is)."""
     return logits if not cap else torch.tanh(logits / cap) * cap
