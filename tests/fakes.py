@@ -1,12 +1,15 @@
 """Hand-made artifacts for unit tests: a features datastore like ``build_features`` writes, the
-base LM's output embedding, and a ``gnnlm fit``-style checkpoint of a tiny built-in LM."""
+base LM's output embedding, a ``gnnlm fit``-style checkpoint of a tiny built-in LM, a corpus
+folder; and ``error_of``, which runs ``gnnlm`` and returns its one error line."""
 from __future__ import annotations
 
 import hashlib
 
 import numpy as np
+import pytest
 
 from gnnlm.artifacts import ArtifactBuilder
+from gnnlm.cli import main
 
 
 def write_features(path, final, att=None, targets=None, lm_logprob=None,
@@ -67,3 +70,23 @@ def save_lm_checkpoint(path, seed=0, **sizes):
     torch.save({"state_dict": lm.state_dict(), "hyper_parameters": dict(lm.hparams),
                 "pytorch-lightning_version": pl.__version__}, path)
     return str(path), lm
+
+
+def error_of(args, capsys) -> str:
+    """Run ``gnnlm args``; it must exit with status 2 and print exactly one error line."""
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("gnnlm ")]
+    assert len(errors) == 1 and lines[-1] == "(rerun with --debug for the traceback)", lines
+    return errors[0]
+
+
+def write_corpus(root, **splits):
+    """A corpus folder of train/valid/test.txt (``splits`` overrides a split's text or bytes)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "valid", "test"):
+        text = splits.get(split, "the cat sat on the mat\n")
+        (root / f"{split}.txt").write_bytes(text if isinstance(text, bytes) else text.encode())
+    return root

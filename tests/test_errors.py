@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 from conftest import REPO
-from fakes import save_lm_checkpoint, write_features
+from fakes import error_of, save_lm_checkpoint, write_corpus, write_features
 
 from gnnlm.artifacts import ArtifactBuilder, read_manifest
 from gnnlm.cli import main
@@ -28,25 +28,6 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-def error_of(args, capsys) -> str:
-    """Run ``gnnlm args``; it must exit with status 2 and print exactly one error line."""
-    with pytest.raises(SystemExit) as stop:
-        main(args)
-    assert stop.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    errors = [line for line in lines if line.startswith("gnnlm ")]
-    assert len(errors) == 1 and lines[-1] == "(rerun with --debug for the traceback)", lines
-    return errors[0]
-
-
-def corpus(root, **splits):
-    root.mkdir(parents=True, exist_ok=True)
-    for split in ("train", "valid", "test"):
-        text = splits.get(split, "the cat sat on the mat\n")
-        (root / f"{split}.txt").write_bytes(text if isinstance(text, bytes) else text.encode())
-    return root
-
-
 def fit_lm(root, capsys, *extra):
     return error_of(["fit", *LM, f"--data.init_args.workdir={root / 'work'}",
                      f"--trainer.default_root_dir={root / 'logs'}", *extra], capsys)
@@ -60,7 +41,7 @@ def test_a_missing_corpus(tmp_path, capsys):
 
 
 def test_an_empty_split(tmp_path, capsys):
-    path = corpus(tmp_path / "c", valid="\n \n")
+    path = write_corpus(tmp_path / "c", valid="\n \n")
     assert fit_lm(tmp_path, capsys, f"--data.init_args.corpus_path={path}") == (
         f"gnnlm fit: error: Split file {path}/valid.txt is empty: a corpus needs text in train, "
         f"valid and test.")
@@ -68,7 +49,7 @@ def test_an_empty_split(tmp_path, capsys):
 
 
 def test_non_utf8_bytes_name_the_file_and_the_offset(tmp_path, capsys):
-    path = corpus(tmp_path / "c", test=b"caf\xe9 au lait\n")
+    path = write_corpus(tmp_path / "c", test=b"caf\xe9 au lait\n")
     assert fit_lm(tmp_path, capsys, f"--data.init_args.corpus_path={path}") == (
         f"gnnlm fit: error: {path}/test.txt is not UTF-8 text: byte 0xe9 at offset 3 cannot be "
         f"decoded. Convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8).")
@@ -77,7 +58,7 @@ def test_non_utf8_bytes_name_the_file_and_the_offset(tmp_path, capsys):
 def test_a_split_with_no_tokens(tmp_path, capsys):
     # characters of "a b a\n": a, space, b, newline, and <unk>: the LM's 5 outputs
     ckpt, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", vocab_size=5, context_length=16)
-    path = corpus(tmp_path / "c", valid="a b\n", test="b a\n", train="a b a\n")
+    path = write_corpus(tmp_path / "c", valid="a b\n", test="b a\n", train="a b a\n")
     wd = Workdir(tmp_path / "w")
     args = ["pipeline", *CPU, f"--workdir={wd.root}", f"--base_lm.ckpt={ckpt}",
             f"--corpus.path={path}", "--corpus.name=tiny", "--corpus.tokenizer.kind=char",
@@ -114,7 +95,7 @@ def test_a_missing_checkpoint(tmp_path, capsys):
 
 def test_a_checkpoint_of_another_vocabulary_leaves_no_tokens(tmp_path, capsys):
     ckpt, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", vocab_size=50)
-    path = corpus(tmp_path / "c")
+    path = write_corpus(tmp_path / "c")
     line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}", f"--base_lm.ckpt={ckpt}",
                      f"--corpus.path={path}", "--corpus.name=tiny"], capsys)
     assert line == ("gnnlm pipeline: error: The base LM gpt has 50 outputs but the tokenizer of "
@@ -125,7 +106,7 @@ def test_a_checkpoint_of_another_vocabulary_leaves_no_tokens(tmp_path, capsys):
 
 def test_a_hugging_face_folder_without_a_tokenizer(tmp_path, capsys):
     (tmp_path / "hf").mkdir()
-    path = corpus(tmp_path / "c")
+    path = write_corpus(tmp_path / "c")
     line = error_of(["fit", *LM, f"--data.init_args.workdir={tmp_path / 'work'}",
                      f"--data.init_args.corpus_path={path}", "--data.init_args.corpus=tiny",
                      "--data.init_args.tokenizer.kind=hf",
