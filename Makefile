@@ -19,7 +19,7 @@ TYPED := gnnlm/artifacts.py gnnlm/workdir.py gnnlm/progress.py gnnlm/devices.py 
 	gnnlm/knn_cache.py gnnlm/pq.py gnnlm/graph.py gnnlm/gnn_layer.py gnnlm/gnn_dense.py \
 	gnnlm/window_states.py gnnlm/heads.py gnnlm/config.py gnnlm/tuning.py gnnlm/ranks.py \
 	gnnlm/shards.py gnnlm/models/base.py gnnlm/models/hf.py gnnlm/protocols.py \
-	gnnlm/multi_gpu.py
+	gnnlm/multi_gpu.py gnnlm/data_checks.py gnnlm/lock.py gnnlm/verify.py
 
 .PHONY: setup test test-unit lint demo clean
 

@@ -7,7 +7,9 @@
   segments of parallel streams, in order, so memory flows from one batch to the next.
 
 The corpus is tokenized once into ``<workdir>/tokens`` when the module is created, which is
-how ``vocab_size`` is known in time to be linked into the model.
+how ``vocab_size`` is known in time to be linked into the model. ``vocab_fingerprint`` (the
+ordered token list's hash) is what the ids mean: the LM records it in its checkpoint
+(``gnnlm.lit.lm.LanguageModel``).
 """
 from __future__ import annotations
 
@@ -125,6 +127,10 @@ class LMDataModule(pl.LightningDataModule):
         self.store: TokenStore = build_tokens(Workdir(workdir).tokens, corpus, corpus_path,
                                               data_dir, tokenizer)
         self.vocab_size = self.store.vocab_size
+        # what the ids mean, recorded by the model (tokens built before the manifest kept it:
+        # from the tokenizer saved with them)
+        self.vocab_fingerprint: str = (self.store.manifest.get("vocab_fingerprint")
+                                       or self.store.tokenizer.vocab_fingerprint())
 
     def scoring_protocol(self, memory: int = 0) -> Protocol:
         """How valid/test are scored by a model with ``memory`` cached states: sliding windows,

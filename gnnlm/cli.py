@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import warnings
+from argparse import ArgumentError
 
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
@@ -29,13 +30,20 @@ commands:
   sweep      the kNN-LM λ x T x k grid from cached scores: writes <workdir>/reports/<name>/sweep/
              (sweep.csv, sweep.md, sweep.json, the heatmap) and an offline W&B run
   explain    the train contexts a text retrieves: prints them, writes nothing
+  verify     gnnlm verify WORKDIR: every artifact's files against its manifest (sizes, sha256);
+             one line per artifact, a summary, exit status 2 naming each bad file
   fit        train a model (LightningCLI): a base LM, or a head on a pipeline's work directory;
              writes checkpoints and logs under trainer.default_root_dir
   validate, test, predict
              LightningCLI's: evaluate a checkpoint (--ckpt_path)
 
-Run `gnnlm COMMAND --help` for a command's options. Each YAML in configs/ starts with the
-command that runs it. --debug shows the traceback of an error."""
+Help: `gnnlm pipeline --help` (and sweep, explain) lists the sections of a pipeline config, one
+line each, and `--help=SECTION` a section's fields; `gnnlm fit --help` is LightningCLI's (every
+trainer, model and data option; `--model.help CLASS` for one model's). Config paths, given with
+-c or listed in a pipeline config, are resolved against the current directory: run gnnlm from
+the repository root. Each YAML in configs/ starts with the command that runs it; README.md's
+Setup and Troubleshooting sections cover installing and the common errors. --debug shows the
+traceback of an error."""
 
 
 def default_wandb_offline() -> None:
@@ -73,6 +81,11 @@ def quiet_lightning() -> None:
 
 class GnnlmCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        # every fit writes plain progress lines where its bar cannot be seen (a redirected log);
+        # a forced callback, so a config's own `trainer.callbacks` list does not drop it
+        from gnnlm.lit.progress_log import ProgressLog
+
+        parser.add_lightning_class_args(ProgressLog, "progress_log")
         # Sizes flow from the data to the model (a link is skipped when a class lacks the key).
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size",
                               apply_on="instantiate")
@@ -85,11 +98,69 @@ class GnnlmCLI(LightningCLI):
         parser.link_arguments("data.base_lm_options", "model.init_args.base_lm_options",
                               apply_on="instantiate")
 
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, then refuse a ``--ckpt_path`` of another model or data module than the config
+        builds, before LightningCLI puts the checkpoint's model into the config (which would
+        fail only inside the run, on an attribute the config's data module lacks)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else self.config
+        ckpt_path = config.get("ckpt_path") if config is not None else None
+        if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
+            from gnnlm.checkpoints import check_trained_as
+
+            def class_path(key: str) -> str | None:
+                value = config.get(key)
+                return getattr(value, "class_path", None) if value is not None else None
+
+            check_trained_as(ckpt_path, class_path("model"), class_path("data"))
+
 
 def lightning_main(args: list[str] | None = None) -> GnnlmCLI:
     quiet_lightning()
-    return GnnlmCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
-                    subclass_mode_data=True, args=args, save_config_kwargs={"overwrite": True})
+    # a parse error is raised, not printed after LightningCLI's 50-line usage: `main` prints it
+    # as the one line of every gnnlm error
+    no_usage = {"exit_on_error": False}
+    try:
+        return GnnlmCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
+                        subclass_mode_data=True, args=args,
+                        save_config_kwargs={"overwrite": True},
+                        parser_kwargs={**no_usage, **{name: dict(no_usage) for name in
+                                                      LIGHTNING_COMMANDS}})
+    except ArgumentError as err:
+        if str(err).startswith("the following arguments are required"):
+            raise ValueError(f"{err}: give the configs that set them with -c, e.g. -c "
+                             f"configs/trainer/cpu.yaml -c configs/wikitext2/base_lm.yaml "
+                             f"(each YAML in configs/ starts with the command that runs it)."
+                             ) from None
+        raise
+
+
+# LightningCLI's subcommands, run by ``lightning_main``
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def config_files(words: list[str]) -> list[str]:
+    """The files a command line gives with ``-c``/``--config`` (not inline YAML strings)."""
+    given = [words[i + 1] for i, w in enumerate(words[:-1]) if w in ("-c", "--config")]
+    given += [w.split("=", 1)[1] for w in words if w.startswith(("-c=", "--config="))]
+    return [g for g in given if "\n" not in g and not g.lstrip().startswith(("{", "["))]
+
+
+def check_command_line(command: str, words: list[str]) -> None:
+    """Refuse an unknown command, and a ``-c`` file that is missing or is not YAML, naming
+    the file (jsonargparse would say ``"<unicode string>"``, and for a relative path not where
+    it looked)."""
+    if command not in COMMANDS and command not in LIGHTNING_COMMANDS and not command.startswith(
+            "-"):
+        raise ValueError(f"unknown command {command!r}: the commands are "
+                         f"{', '.join([*COMMANDS, *LIGHTNING_COMMANDS])} (gnnlm --help).")
+    files = config_files(words)
+    if files:
+        from gnnlm.config import config_text
+
+        for path in files:
+            config_text(path)
 
 
 def _command(module: str):
@@ -104,7 +175,7 @@ def _command(module: str):
 
 # commands besides LightningCLI's fit/validate/test/predict
 COMMANDS = {"pipeline": _command("gnnlm.pipeline"), "sweep": _command("gnnlm.sweep"),
-            "explain": _command("gnnlm.explain")}
+            "explain": _command("gnnlm.explain"), "verify": _command("gnnlm.verify")}
 
 
 def error_line(err: BaseException) -> str:
@@ -133,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command = words[0]
     try:
+        check_command_line(command, words[1:])
         if command in COMMANDS:
             COMMANDS[command](words[1:])
         else:

@@ -27,6 +27,7 @@ import torch
 
 from gnnlm.artifacts import ArtifactBuilder, ArtifactError, open_array, read_manifest
 from gnnlm.encode import encode_windows, open_with_bos, protocol, sliding_windows
+from gnnlm.metrics import check_finite
 from gnnlm.models.base import FEATURE_KEYS, BaseLM
 from gnnlm.ranks import Devices, Rank, run_on_ranks
 from gnnlm.shards import ShardedJob, totals
@@ -146,7 +147,12 @@ class FeaturesJob(ShardedJob):
                 arrays["final"][span] = batch.final.cpu().numpy().astype(np.float16)
                 arrays["att"][span] = batch.att.cpu().numpy().astype(np.float16)
                 if logprob is not None and batch.logprob is not None:
-                    logprob[span] = batch.logprob.cpu().numpy()
+                    values = batch.logprob.cpu().numpy()
+                    check_finite(values, str(self.out_dir / "lm_logprob.bin"),
+                                 "the base LM gives that target probability 0 or NaN (weights "
+                                 "with inf/NaN, or an overflow at this precision): check the "
+                                 "checkpoint.", start=batch.start)
+                    logprob[span] = values
 
     def extra(self, rank: Rank, done: dict[int, dict], wall_seconds: float) -> dict:
         identity = {**self.model.identity(), "location": self.location}

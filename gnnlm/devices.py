@@ -11,6 +11,47 @@ def check_device(device: str) -> None:
         raise ValueError(f"device must be one of {DEVICES} or 'cuda:<n>' (got {device!r}).")
 
 
+def check_available(device: str, setting: str) -> None:
+    """Refuse a CUDA ``device`` that torch cannot use on this machine, naming ``setting``: a
+    config is checked when it loads, so the run stops before its first stage rather than with
+    torch's own message after hours of work. By availability, not by name: a GPU machine
+    accepts the same config."""
+    check_device(device)
+    if not str(device).startswith("cuda"):
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    suffix = str(device).partition(":")[2]
+    number = int(suffix) if suffix.isdigit() else 0
+    if number < count:
+        return
+    needs = f"CUDA GPU {number}" if ":" in str(device) else "a CUDA GPU"
+    seen = "no GPU" if count == 0 else f"{count} GPU{'s' if count > 1 else ''}"
+    raise ValueError(f"{setting} = {device!r} needs {needs}, but torch sees {seen} on this "
+                     f"machine: set {setting}: auto (a GPU when there is one) or cpu.")
+
+
+def check_faiss_available(device: str, setting: str) -> None:
+    """Refuse ``device='cuda'`` for faiss when this faiss has no GPU (see ``faiss_device``)
+    when the config loads, naming ``setting``."""
+    check_device(device)
+    if device != "auto" and device != "cpu" and not faiss_has_gpu():
+        raise ValueError(f"{setting} = {device!r} needs faiss-gpu and a GPU, but this faiss has "
+                         f"no GPU support or sees no GPU: set {setting}: auto (the GPU when "
+                         f"faiss has one) or cpu, or install the `gpu` extra (faiss-gpu, after "
+                         f"uninstalling faiss-cpu).")
+
+
+def check_accelerator(accelerator: object, where: str) -> None:
+    """Refuse a Lightning trainer that asks for CUDA (``trainer.accelerator: gpu`` or ``cuda``,
+    as configs/trainer/gpu.yaml does) on a machine without it; ``where`` names the config."""
+    if str(accelerator).lower() in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{where} sets trainer.accelerator: {accelerator}, but torch sees no "
+                         f"CUDA GPU on this machine: start that chain with "
+                         f"configs/trainer/cpu.yaml instead of configs/trainer/gpu.yaml (with "
+                         f"the model's *_cpu.yaml overlay, as pipeline_cpu.yaml does), or set "
+                         f"trainer.accelerator: auto.")
+
+
 def torch_device(device: str | torch.device = "auto") -> torch.device:
     """The torch device for ``device`` (``"auto"``: the first GPU when there is one)."""
     if isinstance(device, torch.device):

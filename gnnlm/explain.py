@@ -119,7 +119,7 @@ def _text_ids(store: TokenStore, text: str) -> np.ndarray:
 def main(args: list[str]) -> list[dict]:
     """``gnnlm explain -c PIPELINE.yaml --text "..." [--top 3]``: prints the retrieved train
     contexts; writes nothing."""
-    from gnnlm.config import config_parser, to_config
+    from gnnlm.config import check_built, config_parser, to_config
 
     parser = config_parser("gnnlm explain", description=main.__doc__)
     parser.add_argument("--text", type=str, required=True, help="the input context")
@@ -128,6 +128,12 @@ def main(args: list[str]) -> list[dict]:
     text, top = namespace.pop("text"), namespace.pop("top")
     cfg = to_config(parser, namespace)
     workdir = Workdir(cfg.workdir)
+    own = {"--text", "--top"}  # explain's options: the rest is the pipeline's command line
+    pipeline_args = [a for i, a in enumerate(args) if a.split("=")[0] not in own
+                     and not (i and args[i - 1] in own)]
+    check_built("gnnlm explain", pipeline_args,
+                [*([] if cfg.base_lm.ckpt else [workdir.head("base_lm")]), workdir.tokens,
+                 workdir.features("train"), workdir.index(cfg.knn.primary, cfg.knn.metric)])
     base_lm = cfg.base_lm.ckpt or str(workdir.base_lm_checkpoint)
     model = load_base_lm(base_lm, cfg.base_lm.options() if is_hf(base_lm) else None)  # once
     rows = retrieved_contexts(workdir, cfg.knn.primary, cfg.knn.metric, model, text, top)

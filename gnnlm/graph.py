@@ -75,13 +75,16 @@ class GraphConfig:
     inter: Literal["window", "retrieved"] = "window"
 
     def __post_init__(self):
+        # named as a `gnnlm fit` config writes them (data.init_args.graph.*): the user's fix
         if self.left < 0 or self.right < 0:
-            raise ValueError(f"Window sizes must be non-negative "
-                             f"(got left={self.left}, right={self.right}).")
+            raise ValueError(f"graph.left and graph.right (tokens on each side of a retrieved "
+                             f"one) must be >= 0 (got left={self.left}, right={self.right}).")
         if self.k < 1:
-            raise ValueError(f"k must be at least 1 (got {self.k}).")
+            raise ValueError(f"graph.k (windows retrieved per token) must be >= 1 "
+                             f"(got {self.k}).")
         if self.ctx_window is not None and self.ctx_window < 1:
-            raise ValueError(f"ctx_window must be None or at least 1 (got {self.ctx_window}).")
+            raise ValueError(f"graph.ctx_window must be >= 1, or null for the whole block "
+                             f"(got {self.ctx_window}).")
         if self.inter not in ("window", "retrieved"):
             raise ValueError(f"inter must be 'window' (every window node → its ctx token) or "
                              f"'retrieved' (only the retrieved token) (got {self.inter!r}).")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ from gnnlm.workdir import Workdir
 INDEX_FILE = "index.faiss"
 # faiss warns (and clusters badly) with fewer training points than this per centroid.
 MIN_POINTS_PER_CENTROID = 39
+# the dimension a factory is parsed for when the keys' is not known yet: a multiple of the
+# usual PQ sub-quantizer counts, so that a string valid for some real dimension parses
+FACTORY_CHECK_DIM = 3840
 
 
 @dataclass
@@ -69,6 +73,43 @@ class IndexConfig:
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"index.{name} must be >= 0 (got {getattr(self, name)}).")
         check_device(self.device)
+        self.check_factory()
+
+    def check_factory(self, d: int | None = None, metric: str | None = None) -> None:
+        """Refuse a ``factory`` that faiss cannot build, before any work: parsed by faiss for
+        ``d``-dimensional keys under ``metric`` (the pipeline passes them when it can know them
+        at load). Without ``d`` only what holds for every dimension is checked (a stand-in
+        dimension that faiss refuses says nothing about the real one). An IVF index needs at
+        least one list and a training sample no smaller than its lists (faiss trains k-means on
+        ``train_sample`` keys)."""
+        if self.factory == "auto":
+            return
+        what = f"index.factory = {self.factory!r}"
+        advice = ("write a faiss index_factory string such as 'IVF1024,SQ8' or 'IVF1024,PQ32', "
+                  "or 'auto' to let the pipeline choose")
+        try:
+            index = faiss.index_factory(d or FACTORY_CHECK_DIM, self.factory,
+                                        faiss_metric(metric) if metric else faiss.METRIC_L2)
+        except RuntimeError as err:
+            # faiss's message is its last line, after "Error in <function> at <file:line>: "
+            reason = re.sub(r"^Error in .*? at \S+:\d+: (Error: '.*?' failed: (?=.))?", "",
+                            str(err).strip().splitlines()[-1]).rstrip(".")
+            if "could not parse" in reason:
+                raise ValueError(f"{what} is not an index faiss can parse ({reason}): "
+                                 f"{advice}.") from None
+            if d is None:
+                return
+            raise ValueError(f"{what} cannot index the base LM's {d}-dimensional keys under "
+                             f"knn.metric = {metric!r} ({reason}): {advice}.") from None
+        ivf = faiss.try_extract_index_ivf(index)
+        if ivf is not None and ivf.nlist < 1:
+            raise ValueError(f"{what} has {ivf.nlist} inverted lists: give IVF<nlist> with "
+                             f"nlist >= 1 (e.g. IVF1024), or 'auto'.")
+        if ivf is not None and ivf.nlist > self.train_sample:
+            raise ValueError(f"{what} has {ivf.nlist} inverted lists but index.train_sample = "
+                             f"{self.train_sample} keys train them: lower nlist or raise "
+                             f"train_sample (faiss wants >= {MIN_POINTS_PER_CENTROID} keys "
+                             f"per list).")
 
     def fingerprint_config(self) -> dict:
         # The device does not define the artifact (an index built on GPU is used on CPU); the

@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 
-from gnnlm.artifacts import ArtifactBuilder, ArtifactError, check_inputs, open_array, read_manifest
+from gnnlm.artifacts import (
+    ArtifactBuilder,
+    ArtifactError,
+    changed_hint,
+    check_inputs,
+    open_array,
+    read_manifest,
+)
 from gnnlm.datastore import open_features
 from gnnlm.knn import CACHE_ARRAYS
-from gnnlm.metrics import perplexity
+from gnnlm.metrics import check_finite, perplexity
 from gnnlm.neighbors import neighbor_hits, open_neighbors
 from gnnlm.search import rescore
 from gnnlm.workdir import Workdir
@@ -136,6 +144,8 @@ def build_knn_cache(workdir: Workdir, split: str, key: str, metric: str, scores:
             else:
                 sims_out[rows] = rescore(query[key][rows], ids, train[key], metric)
             lm = np.asarray(query["lm_logprob"][rows], dtype=np.float32)
+            check_finite(lm, str(workdir.features(split) / "lm_logprob.bin"),
+                         changed_hint(workdir.features(split), "features"), start=rows.start)
             lm_out[rows] = lm
             state["lm_sum"] = state.get("lm_sum", 0.0) + float(np.sum(lm, dtype=np.float64))
             state["covered"] = state.get("covered", 0) + int(hits.any(axis=1).sum())
@@ -158,6 +168,8 @@ def open_knn_cache(path, lm_logprob: np.ndarray | None = None) -> tuple[dict, di
     manifest = read_manifest(path, kind="knn_cache")
     arrays: dict[str, np.ndarray] = {name: open_array(path, name, manifest)
                                      for name in CACHE_ARRAYS}
+    check_finite(arrays["lm_logprob"], str(Path(path) / manifest["arrays"]["lm_logprob"]["file"]),
+                 changed_hint(path, "knn_cache"))
     if lm_logprob is not None:
         if len(lm_logprob) != manifest["n"]:
             raise ValueError(f"lm_logprob has {len(lm_logprob)} tokens but the cache at {path} "

@@ -20,6 +20,20 @@ def perplexity(nll_sum: float, n_tokens: int) -> float:
         return math.inf
 
 
+def check_finite(values, what: str, fix: str, start: int = 0, block: int = 1 << 22) -> None:
+    """Stop at the first value of ``values`` that is inf or NaN: a perplexity over it would be
+    reported as inf or nan, a number that looks like a result. ``what`` names the file or the
+    scores, ``fix`` says what to do; ``start`` is the position of ``values[0]`` in the split.
+    A memmap is read in blocks (no copy of a large array)."""
+    flat = np.asarray(values).reshape(-1)
+    for lo in range(0, len(flat), block):
+        part = np.asarray(flat[lo:lo + block])
+        bad = np.flatnonzero(~np.isfinite(part))
+        if len(bad):
+            i = lo + int(bad[0])
+            raise ValueError(f"{what} is not finite at position {start + i} ({flat[i]}): {fix}")
+
+
 def bits_per_token(nll_sum: float, n_tokens: int) -> float:
     return nll_sum / n_tokens / math.log(2)
 

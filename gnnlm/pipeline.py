@@ -18,13 +18,15 @@ from typing import Optional
 import numpy as np
 
 from gnnlm.ablations import ABLATIONS_VERSION, neighbours_label, outdated, run_ablations
-from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
+from gnnlm.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
 from gnnlm.checkpoints import datamodule_args
 from gnnlm.config import CorpusStage, PipelineConfig, load_config, merged_yaml, yaml_list
 from gnnlm.datastore import build_all_features
 from gnnlm.index import build_index
 from gnnlm.knn import fit_and_score, fit_lambda, interpolate
 from gnnlm.knn_cache import build_knn_cache, open_knn_cache, search_facts
+from gnnlm.lock import lock_workdir
+from gnnlm.metrics import check_finite
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
 from gnnlm.neighbors import build_neighbors
@@ -36,17 +38,28 @@ from gnnlm.workdir import EVAL_SPLITS, SPLITS, Workdir
 
 def stage_base_lm(cfg: PipelineConfig, workdir: Workdir) -> tuple[BaseLM, TokenStore, dict, str]:
     """The frozen base LM, the tokens it reads (training it first when needed), the trained
-    model's manifest, and where the LM is (relative to the work directory when inside it)."""
+    model's manifest, and where the LM is (relative to the work directory when inside it).
+
+    A base LM trained here with the pipeline's ``corpus:`` section is trained on that corpus
+    (``CorpusStage``): the tokens are built first, the section is passed to ``gnnlm fit``, and
+    the tokens' fingerprint is an input of the trained model, so another corpus or tokenizer
+    is never read with this model's weights."""
     spec = cfg.base_lm
+    store = None
     if spec.ckpt is None:
-        manifest = fit_with_cli(workdir, "base_lm", yaml_list(spec.config), {}, predict=False,
-                                rebuild=cfg.rebuilds("base_lm"))
+        inputs: dict = {}
+        if cfg.corpus is not None:
+            store = stage_tokens(cfg, workdir, "")
+            inputs = {"tokens": store.manifest["fingerprint"]}
+        manifest = fit_with_cli(workdir, "base_lm", yaml_list(spec.config), inputs, predict=False,
+                                rebuild=cfg.rebuilds("base_lm"),
+                                overrides=cfg.corpus.fit_args() if cfg.corpus else None)
         ckpt = str(workdir.head("base_lm") / manifest["ckpt"])
     else:
         ckpt, manifest = spec.ckpt, {}
     model = load_base_lm(ckpt, spec.options() if is_hf(ckpt) else None)
     existed = (workdir.tokens / "manifest.json").is_file()
-    store = stage_tokens(cfg, workdir, ckpt)
+    store = store or stage_tokens(cfg, workdir, ckpt)
     try:
         check_vocabulary(model, store, ckpt)
     except ValueError:
@@ -62,29 +75,48 @@ def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
     more outputs than its tokenizer has tokens (vocabularies padded to a multiple of 64 or 128:
     Pythia, Qwen2, Phi, OPT): the extra rows are never targets, and keeping them in the softmax
     keeps the model's own probabilities. When the model's folder has its own tokenizer, the
-    corpus's must be that one, token for token."""
+    corpus's must be that one, token for token. A ``gnnlm fit`` checkpoint records the
+    fingerprint of the vocabulary it was trained on (the ordered token list): the corpus's must
+    be the same; equal sizes are not enough (two word vocabularies capped at the same size give
+    the same ids to different words). Checkpoints written before it was recorded have none,
+    and only their size is compared."""
     hf = is_hf(ckpt)
     if store.vocab_size > model.vocab_size or (not hf and store.vocab_size != model.vocab_size):
         raise ValueError(f"The base LM {model.name} has {model.vocab_size} outputs but the "
                          f"tokenizer of the corpus has {store.vocab_size} types: they must "
                          f"match (for a Hugging Face LM use tokenizer kind 'hf', which without "
                          f"a path is the model's own).")
+    # tokens built before the fingerprint was recorded: the tokenizer saved with them says it
+    corpus = store.manifest.get("vocab_fingerprint") or store.tokenizer.vocab_fingerprint()
+    if not hf:
+        recorded = getattr(model, "vocab_fingerprint", None)
+        if recorded is not None and recorded != corpus:
+            raise ValueError(f"The base LM {ckpt} was trained on another vocabulary "
+                             f"(fingerprint {recorded}, recorded in the checkpoint) than the "
+                             f"corpus was tokenized with (fingerprint {corpus}, tokens in "
+                             f"{store.path}): token ids would mean different words. Read the "
+                             f"corpus the base LM was trained on with its tokenizer (leave out "
+                             f"the pipeline's corpus section: the checkpoint names them), or "
+                             f"train a base LM on this corpus (base_lm.config).")
+        return
     folder = Path(ckpt.removeprefix("hf:"))
-    if not hf or not folder.is_dir() or "vocab_fingerprint" not in store.manifest:
+    if not folder.is_dir():
         return
     try:
         own = HFTokenizer.from_path(str(folder))
     except FileNotFoundError:  # the folder has no tokenizer to compare with
         return
-    if own.vocab_fingerprint() != store.manifest["vocab_fingerprint"]:
+    if own.vocab_fingerprint() != corpus:
         raise ValueError(f"The corpus was tokenized with another vocabulary (fingerprint "
-                         f"{store.manifest['vocab_fingerprint']}, tokens in {store.path}) than "
-                         f"the base LM's own tokenizer in {folder} ({own.vocab_fingerprint()}): "
-                         f"token ids would mean different words. Use tokenizer kind 'hf' "
-                         f"without a path (the model's own).")
+                         f"{corpus}, tokens in {store.path}) than the base LM's own tokenizer "
+                         f"in {folder} ({own.vocab_fingerprint()}): token ids would mean "
+                         f"different words. Use tokenizer kind 'hf' without a path (the "
+                         f"model's own).")
 
 
 def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore:
+    """The corpus's token streams: the pipeline's ``corpus:`` section, or else the corpus and
+    tokenizer a ``gnnlm fit`` checkpoint names (``CorpusStage`` says how the two agree)."""
     corpus = cfg.corpus
     if corpus is None and not ckpt.startswith("hf:"):
         data = datamodule_args(ckpt)
@@ -106,6 +138,11 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
 
 def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdir: Workdir,
                    location: str) -> dict:
+    """Features of every split with the sliding-window protocol. The windows were checked at
+    load where the base LM's shape was known there (``gnnlm.config.base_lm_shape``); the checks
+    here are the backstop for a model only loading tells (a Hub name not in the local cache).
+    The Hugging Face default context (at most ``DEFAULT_CONTEXT``) is said here, once, and each
+    features manifest records the context and stride used (``config``, ``protocol``)."""
     fc = cfg.features
     if fc.context is not None and fc.context > model.context_length:
         raise ValueError(f"features.context = {fc.context} exceeds the base LM's context "
@@ -117,7 +154,8 @@ def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdi
               f"{model.context_length}; set features.context to use more).", flush=True)
     stride = fc.stride or max(1, context // 2)
     if fc.stride is not None and fc.stride > context:
-        raise ValueError(f"features.stride = {fc.stride} exceeds the context ({context}).")
+        raise ValueError(f"features.stride = {fc.stride} exceeds the context ({context} "
+                         f"tokens): lower it, or leave it unset for half the context.")
     return build_all_features(model, store, workdir, context, stride, batch_size=fc.batch_size,
                               device=fc.device, max_tokens=fc.max_tokens, location=location,
                               rebuild=cfg.rebuilds("features"), devices=fc.devices)
@@ -228,6 +266,7 @@ def run(cfg: PipelineConfig) -> dict:
     for chain in fit_chains(cfg):  # every trained part's config parses, before any work
         check_fit_config(chain)
     workdir.root.mkdir(parents=True, exist_ok=True)
+    _lock = lock_workdir(workdir.root, "pipeline")  # one run per work directory, until we return
     model, store, base_manifest, location = stage_base_lm(cfg, workdir)
     feature_manifests = stage_features(cfg, model, store, workdir, location)
     # a train feature has read this many tokens back: the leakage rule's window
@@ -236,6 +275,9 @@ def run(cfg: PipelineConfig) -> dict:
     scores: dict[str, dict[str, np.ndarray]] = {
         "base": {s: np.asarray(open_array(workdir.features(s), "lm_logprob"))
                  for s in EVAL_SPLITS}}
+    for s in EVAL_SPLITS:  # a perplexity over these is never inf or nan
+        check_finite(scores["base"][s], f"{workdir.features(s) / 'lm_logprob.bin'}",
+                     changed_hint(workdir.features(s), "features"))
     hparams: dict[str, dict] = {}
     retrieval = {}
     grid = cfg.knn.grid()
@@ -262,6 +304,11 @@ def run(cfg: PipelineConfig) -> dict:
         scores[f"{name}+base"] = {"test": interpolate(scores["base"]["test"],
                                                       scores[name]["test"], lam)}
         hparams[f"{name}+base"] = {"lambda": lam, "valid_ppl": valid_ppl}
+    for name, row in scores.items():  # the report's perplexities are never inf or nan
+        for s, values in row.items():
+            check_finite(values, f"the {name} row's {s} log p(target)",
+                         f"that token gets probability 0 or NaN (λ = 1 leaves the LM no share "
+                         f"of it); check the row's inputs with `gnnlm verify {workdir.root}`.")
     ablations = stage_ablations(cfg, workdir, retrieval)
     return write_report(cfg, workdir, model, store, scores, hparams, retrieval, heads,
                         base_manifest, feature_manifests, ablations)
@@ -273,5 +320,5 @@ def main(args: list[str]) -> None:
     ``reports/<name>/`` (results.json, results.md, per-token scores, plots); prints the table."""
     from gnnlm.report import print_table
 
-    cfg = load_config(args, description=main.__doc__)
+    cfg = load_config(args, description=main.__doc__, machine=True)
     print_table(run(cfg), Workdir(cfg.workdir))

@@ -21,6 +21,7 @@ import torch
 
 from gnnlm.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.datastore import check_key, open_features
+from gnnlm.progress import format_seconds, say
 from gnnlm.workdir import Workdir
 
 
@@ -93,11 +94,18 @@ def build_pq(workdir: Workdir, key: str, config: PQConfig | None = None, rebuild
         if codec_path.exists():  # resuming: never retrain, the codes written so far depend on it
             codec = faiss.read_index(str(codec_path))
         else:
+            # the codec's k-means is most of the stage's time (minutes for m = 64 on 1,024-d
+            # features), before the chunk loop whose progress line counts only the encoding:
+            # say when it starts and what it took, so a log does not read "0s elapsed" after it
             sample = np.ascontiguousarray(keys[_sample(n, config.train_sample, config.seed)],
                                           dtype=np.float32)
+            say(f"  PQ codec {key}: training {factory} on {len(sample)} of {n} features")
+            t_codec = time.perf_counter()
             codec = faiss.index_factory(d, factory)
             codec.train(sample)  # faiss k-means is seeded by default (seed 1234)
             faiss.write_index(codec, str(codec_path))
+            builder.save_progress(codec_seconds=round(time.perf_counter() - t_codec, 2))
+            say(f"  PQ codec {key}: trained in {format_seconds(time.perf_counter() - t_codec)}")
         codes = builder.array("codes", np.uint8, (n, codec.sa_code_size()))
         n_chunks = -(-n // config.chunk)
         for chunk in builder.chunks(n_chunks, f"PQ codes {key}", stop_after_chunks):
@@ -115,7 +123,8 @@ def build_pq(workdir: Workdir, key: str, config: PQConfig | None = None, rebuild
             "n": n, "dim": d, "code_bytes": int(codec.sa_code_size()), "factory": factory,
             "relative_reconstruction_error": rel_error, "held_out": int(len(held_out)),
             "compression": float(d * 2 / codec.sa_code_size()),  # vs float16
-            "base_lm": feat_manifest["base_lm"], "seconds": round(time.perf_counter() - t0, 2)})
+            "base_lm": feat_manifest["base_lm"], "seconds": round(time.perf_counter() - t0, 2),
+            "codec_seconds": builder.progress.get("codec_seconds")})
 
 
 class PQFeatures:

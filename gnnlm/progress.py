@@ -23,7 +23,7 @@ def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _format_seconds(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 60}:{seconds % 60:02d}" if seconds >= 60 else f"{seconds}s"
 
@@ -57,9 +57,9 @@ class Progress:
         elapsed = time.perf_counter() - self.t0
         rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
         left = (self.total - self.done) / rate if rate > 0 else float("nan")
-        eta = _format_seconds(left) if left == left else "?"
+        eta = format_seconds(left) if left == left else "?"
         return (f"{self.desc}: {self.done}/{self.total} {self.unit}s, {rate:.2f} {self.unit}/s, "
-                f"{_format_seconds(elapsed)} elapsed, ETA {eta}")
+                f"{format_seconds(elapsed)} elapsed, ETA {eta}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -4,6 +4,8 @@ Every perplexity is exp(−Σ log p / N) over the same N test tokens (the split'
 scored once), computed here from per-token log-probabilities, never averaged from batches. Each
 row records how its tokens were scored (``gnnlm.protocols``): rows read with different windows
 or segments go in separate tables, each headed by its protocol and the left context it gives.
+Above them, the data's checks (``gnnlm.data_checks``: unknown tokens, near-copies of valid/test
+in the datastore) and, when something makes the numbers untrustworthy, one Warnings block.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from gnnlm import protocols
+from gnnlm import data_checks, protocols
 from gnnlm.artifacts import open_array, read_manifest, write_json_atomic
 from gnnlm.metrics import ppl_from_logprobs
 from gnnlm.protocols import Protocol
@@ -211,11 +213,38 @@ def _table_markdown(results: dict, protocol: Protocol, names: list[str]) -> list
     return lines
 
 
+def data_line(results: dict) -> str:
+    """The share of each split unknown to the vocabulary and of valid/test that retrieves a
+    near-copy of its own text from the datastore (``gnnlm.data_checks``)."""
+    def shares(values: dict) -> str:
+        return ", ".join(f"{split} {data_checks.percent(v)}" for split, v in values.items()
+                         if v is not None)
+
+    unk = results["unk_share"]
+    if all(v is None for v in unk.values()):
+        line = "Data: the tokenizer has no unknown token"
+    else:
+        line = (f"Data: tokens unknown to the vocabulary (`{results.get('unk_token')}`): "
+                f"{shares(unk)}")
+    overlap = results.get("datastore_overlap") or {}
+    if any(v is not None for v in overlap.values()):
+        near = results.get("near_copy", {})
+        line += (f"; positions whose nearest train key is a near-copy (the "
+                 f"{near.get('context', data_checks.DEFAULT_NEAR_COPY_CONTEXT)} tokens before "
+                 f"both equal): {shares(overlap)}")
+    return line + "."
+
+
 def _markdown(results: dict) -> str:
     lines = [f"# {results['name']}: {results['dataset']}", "",
              f"Test tokens: {results['tokens']:,}, every one scored once by every row; rows "
-             f"read with different windows or segments are in separate tables.", "",
-             f"Base LM: {base_lm_line(results['base_lm'])}.", ""]
+             f"read with different windows or segments are in separate tables.", ""]
+    if "unk_share" in results:
+        lines += [data_line(results), ""]
+    if results.get("warnings"):
+        lines += ["Warnings:", ""] + [f"- ⚠ {w['message']}" for w in results["warnings"]]
+        lines += [""]
+    lines += [f"Base LM: {base_lm_line(results['base_lm'])}.", ""]
     for protocol, names in protocol_tables(results):
         lines += _table_markdown(results, protocol, names) + [""]
     lines.pop()
@@ -305,6 +334,16 @@ def plot_gate_histogram(histogram: list[int], path: Path, title: str = "") -> No
     fig.savefig(path, dpi=120)
 
 
+def rows_on_the_base_lm(names: list[str], heads: dict, row_protocol: dict) -> list[str]:
+    """The rows that stand for a trained head on the base LM's features, read the base LM's way,
+    and so should beat it on valid: the head's own row, or ``<head>+base`` where the report
+    interpolates the head with the base LM (a learned W_ds is a datastore, not a whole LM).
+    Segment models are separate LMs, not heads, and are not compared with the base LM."""
+    base = protocols.layout(row_protocol["base"])
+    return [f"{name}+base" if f"{name}+base" in names else name for name in names
+            if name in heads and protocols.layout(row_protocol[name]) == base]
+
+
 def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dict,
                  retrieval: dict, heads: dict, base_manifest: dict, feature_manifests: dict,
                  ablations: Optional[dict] = None) -> dict:
@@ -337,6 +376,14 @@ def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dic
         "timing_s": _stage_seconds(cfg, workdir, retrieval, heads, base_manifest,
                                    feature_manifests),
     }
+    checks = data_checks.measure(workdir, cfg.knn.primary, cfg.knn.metric, store)
+    results.update(checks)
+    worse = data_checks.heads_worse_than_base(valid_ppl,
+                                              rows_on_the_base_lm(names, heads, row_protocol))
+    results["warnings"] = data_checks.report_warnings(
+        checks["unk_share"], checks["datastore_overlap"], worse,
+        label=lambda name: _label(results, name), unk_token=checks["unk_token"],
+        context=checks["near_copy"]["context"])
     if store.level == "char":
         results["bpc"] = {name: float(np.log2(p)) for name, p in ppl.items()}
     best = "gnn+knn" if "gnn+knn" in scores else "knn"
@@ -381,4 +428,10 @@ def print_table(results: dict, workdir: Workdir) -> None:
             left = results["mean_left_context"].get(name)
             print(f"  {_label(results, name):<44} {'' if left is None else f'{left:.1f}':>8} "
                   f"{'' if valid is None else f'{valid:.2f}':>10} {results['ppl'][name]:10.2f}")
+    if "unk_share" in results:
+        print(data_line(results))
+    if results.get("warnings"):
+        print("Warnings:")
+        for warning in results["warnings"]:
+            print(f"  ⚠ {warning['message']}")
     print(f"written to {workdir.report(results['name'])}")

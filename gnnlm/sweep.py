@@ -180,7 +180,8 @@ def main(args: list[str]) -> dict:
     config's grid and writes reports/<name>/sweep/ (sweep.csv, sweep.md, sweep.json, the λ × T
     heatmap) and an offline W&B run; the single point a W&B agent pins goes to
     reports/<name>/sweep/<point>/, so agents never overwrite each other's files."""
-    from gnnlm.config import load_config
+    from gnnlm.config import check_built, load_config
+    from gnnlm.lock import lock_workdir
     from gnnlm.workdir import Workdir
 
     cfg = load_config(args, prog="gnnlm sweep", description=main.__doc__)
@@ -189,11 +190,13 @@ def main(args: list[str]) -> dict:
     workdir = Workdir(cfg.workdir)
     caches = [workdir.knn_cache(knn.primary, knn.metric, knn.scores, split)
               for split in ("valid", "test")]
+    check_built("gnnlm sweep", args, caches)  # before the lock and the report folder exist
     out = workdir.report(cfg.name) / "sweep"
     pinned = [f"{name}={value:g}" for name, value in
               (("k", knn.k), ("T", knn.temperature), ("lambda", knn.lambda_)) if value is not None]
     if pinned:
         out = out / ",".join(pinned)
+    _lock = lock_workdir(workdir.root, "sweep", shared=bool(pinned))  # agents' points: shared
     result = run_sweep(*caches, out, ks, temperatures, lambdas,
                        wandb_name=f"{cfg.name}-sweep" + (f"-{','.join(pinned)}" if pinned else ""))
     print(f"best on valid: k={result['k']} T={result['temperature']} λ={result['lambda']}  "

@@ -18,7 +18,15 @@ from typing import Literal, Optional
 
 import numpy as np
 
-from gnnlm.artifacts import ArtifactBuilder, file_sha256, open_array, read_manifest
+from gnnlm.artifacts import (
+    ArtifactBuilder,
+    ArtifactError,
+    file_sha256,
+    fingerprint,
+    open_array,
+    read_manifest,
+    refusal,
+)
 from gnnlm.corpus import SPLIT_FILES, SPLITS, locate_corpus
 
 EOS, UNK = "<eos>", "<unk>"
@@ -326,6 +334,49 @@ class TokenStore:
         return cls(path, manifest, tokenizer)
 
 
+def hf_identity(tok: HFTokenizer) -> dict:
+    """What a Hugging Face tokenizer's ids depend on, not where it was read from: a copy of a
+    model's folder elsewhere is the same tokenizer. Its vocabulary (the ordered token list), the
+    rules that cut text into tokens (the model's merges or scores, added tokens, normalizer,
+    pre-tokenizer, compared as ``tokenizers`` serialises them; merges as pairs, whichever of its
+    two formats a file uses), and the token opening each stream and whether every window opens
+    with it. Its decoder, padding and truncation do not change the ids and are left out."""
+    saved = json.loads(tok.backend.to_str())
+    model = dict(saved.get("model") or {})
+    if isinstance(model.get("vocab"), dict):  # token -> id: what vocab_fingerprint hashes
+        model.pop("vocab")
+    if "merges" in model:
+        model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m)
+                           for m in model["merges"] or []]
+    rules = fingerprint(model, *(saved.get(k) for k in ("added_tokens", "normalizer",
+                                                        "pre_tokenizer")))
+    return {"kind": "hf", "vocab_fingerprint": tok.vocab_fingerprint(), "rules_fingerprint": rules,
+            "bos_id": int(tok.bos_id), "bos_each_window": bool(tok.bos_each_window)}
+
+
+def _recorded_config(out_dir: Path, config: dict, inputs: dict) -> dict:
+    """The config to look for in ``out_dir``: ``config``, or the one a tokens artifact of a
+    Hugging Face tokenizer was recorded with before tokenizers were identified by content (by
+    their path) when the tokenizer it stored is the same: its fingerprint, which the features
+    record, then stays. Another stored tokenizer is refused, naming what differs."""
+    try:
+        found = read_manifest(out_dir, kind="tokens")
+    except ArtifactError:
+        return config  # none, or not whole: the builder says so
+    recorded = (found.get("config") or {}).get("tokenizer") or {}
+    if recorded.get("kind") != "hf" or "vocab_fingerprint" in recorded:
+        return config
+    try:
+        stored = HFTokenizer.load(out_dir)
+    except Exception:  # noqa: BLE001 - unreadable: let the fingerprints decide
+        return config
+    before = {**found["config"], "tokenizer": hf_identity(stored)}
+    if before == config:
+        return found["config"]
+    raise refusal(out_dir, "tokens", {"config": before, "inputs": found.get("inputs")},
+                  {"config": config, "inputs": inputs})
+
+
 def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: str | None = None,
                  data_dir: str | None = None, tokenizer: TokenizerConfig | None = None,
                  rebuild: bool = False) -> TokenStore:
@@ -340,15 +391,22 @@ def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: s
     tok_cfg = {k: v for k, v in asdict(tokenizer).items() if v is not None}
     if tokenizer.kind != "bpe":
         tok_cfg.pop("vocab_size")
-    builder = ArtifactBuilder(out_dir, kind="tokens",
-                              config={"corpus": corpus, "tokenizer": tok_cfg},
-                              inputs={f"{s}_sha256": h[:16] for s, h in sources.items()},
+    # a Hugging Face tokenizer is identified by its content (its path is in the manifest, as
+    # information); the others by their settings, as the corpus is by its files' hashes
+    hf = fit_tokenizer(tokenizer, "") if tokenizer.kind == "hf" else None
+    if isinstance(hf, HFTokenizer):
+        tok_cfg = hf_identity(hf)
+    config = {"corpus": corpus, "tokenizer": tok_cfg}
+    inputs = {f"{s}_sha256": h[:16] for s, h in sources.items()}
+    if hf is not None and not rebuild:
+        config = _recorded_config(Path(out_dir), config, inputs)
+    builder = ArtifactBuilder(out_dir, kind="tokens", config=config, inputs=inputs,
                               rebuild=rebuild)
     if builder.is_complete():
         return TokenStore.open(out_dir)
     with builder:
         texts = {s: _read_split(files, s) for s in SPLITS}
-        tok = fit_tokenizer(tokenizer, texts["train"])
+        tok = hf if hf is not None else fit_tokenizer(tokenizer, texts["train"])
         dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max else np.uint32
         counts = {}
         for split in SPLITS:
@@ -362,5 +420,6 @@ def build_tokens(out_dir: str | Path, corpus: str = "wikitext-2", corpus_path: s
         builder.finish(extra={"vocab_size": tok.vocab_size, "bos_id": int(tok.bos_id),
                               "bos_each_window": tok.bos_each_window,
                               "vocab_fingerprint": tok.vocab_fingerprint(),
-                              "counts": counts, "sources": {s: str(files[s]) for s in SPLITS}})
+                              "counts": counts, "sources": {s: str(files[s]) for s in SPLITS},
+                              **({"tokenizer_path": tokenizer.path} if hf is not None else {})})
     return TokenStore.open(out_dir)

@@ -158,8 +158,8 @@ def test_chunks_resume_where_they_stopped_and_flag_the_interruption(tmp_path):
 def test_rebuild_rebuilds_a_complete_artifact_with_the_same_fingerprint(tmp_path):
     _, _, first = _chunked(tmp_path / "x")
     (tmp_path / "x" / "values.bin").write_bytes(b"\0" * 80)        # damaged after completion
-    _, seen, _ = _chunked(tmp_path / "x")
-    assert seen == []                                                # skipped: same fingerprint
+    with pytest.raises(ArtifactError, match="does not match the sha256"):  # refused at reuse
+        _chunked(tmp_path / "x")
     builder, seen, again = _chunked(tmp_path / "x", rebuild=True)
     assert seen == [0, 1, 2, 3, 4] and again["fingerprint"] == first["fingerprint"]
     np.testing.assert_array_equal(open_array(tmp_path / "x", "values")[:, 0], np.arange(5))

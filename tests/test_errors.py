@@ -97,7 +97,8 @@ def test_a_checkpoint_of_another_vocabulary_leaves_no_tokens(tmp_path, capsys):
     ckpt, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", vocab_size=50)
     path = write_corpus(tmp_path / "c")
     line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}", f"--base_lm.ckpt={ckpt}",
-                     f"--corpus.path={path}", "--corpus.name=tiny"], capsys)
+                     f"--corpus.path={path}", "--corpus.name=tiny",
+                     "--features.context=16", "--features.stride=8"], capsys)  # the LM's context
     assert line == ("gnnlm pipeline: error: The base LM gpt has 50 outputs but the tokenizer of "
                     "the corpus has 7 types: they must match (for a Hugging Face LM use "
                     "tokenizer kind 'hf', which without a path is the model's own).")

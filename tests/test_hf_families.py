@@ -298,17 +298,26 @@ def test_a_corpus_tokenized_with_another_vocabulary_is_refused(bpe, corpus_slice
 
 
 def test_a_context_beyond_the_model_s_is_refused(bpe, corpus_slice, tmp_path):
+    from dataclasses import replace
+
     from gnnlm.config import load_config
     from gnnlm.pipeline import stage_base_lm, stage_features
     from gnnlm.workdir import Workdir
 
     folder = save_family(FAMILIES["llama"], bpe, tmp_path / "llama")
-    cfg = load_config(["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
-                       f"--corpus.path={corpus_slice}", f"--workdir={tmp_path / 'work'}",
-                       "--features.context=512", "--features.stride=256"])
+    args = ["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
+            f"--corpus.path={corpus_slice}", f"--workdir={tmp_path / 'work'}"]
+    with pytest.raises(ValueError) as err:  # at load: the folder's config.json says 256
+        load_config([*args, "--features.context=512", "--features.stride=256"])
+    assert str(err.value) == (f"features.context = 512 exceeds the context of base_lm.ckpt "
+                              f"hf:{folder}, 256 tokens: lower it to at most 256, or leave it "
+                              f"unset for the model's own.")
+    # and again when the model is loaded (a Hub name's shape may be known only then)
+    cfg = load_config([*args, "--features.context=128", "--features.stride=64"])
     workdir = Workdir(cfg.workdir)
     model, store, _, location = stage_base_lm(cfg, workdir)
     with pytest.raises(ValueError) as err:
-        stage_features(cfg, model, store, workdir, location)
+        stage_features(replace(cfg, features=replace(cfg.features, context=512, stride=256)),
+                       model, store, workdir, location)
     assert str(err.value) == ("features.context = 512 exceeds the base LM's context (hf:llama: "
                               "256 positions): lower it.")

@@ -17,6 +17,7 @@ from gnnlm.datastore import build_features, open_features
 from gnnlm.knn_cache import search_facts
 from gnnlm.metrics import ppl_from_logprobs, unigram_logprobs
 from gnnlm.models import load_base_lm
+from gnnlm.protocols import layout
 from gnnlm.tokens import TokenStore
 from gnnlm.workdir import Workdir
 
@@ -34,6 +35,39 @@ def test_results_json_has_the_promised_fields(results):
     buckets = results["knn_recall_buckets"]
     assert 2 <= len(buckets) <= 5 and sum(b["tokens"] for b in buckets) == results["tokens"]
     assert all(a["recall_range"][1] < b["recall_range"][0] for a, b in zip(buckets, buckets[1:]))
+
+
+def test_results_record_unknown_tokens_and_the_overlap_with_the_datastore(results, workdir):
+    """The test pipeline keeps WikiText-2's 10,000 most frequent words: of the slices it scores,
+    9.77% of train, 12.02% of valid and 10.87% of test are `<unk>` (measured), a usual share for
+    that size and not warned of. Its valid and test are other articles than train, so next to
+    no position retrieves a near-copy of its own text; a head is flagged exactly when it is
+    worse than the base LM on valid."""
+    unk = results["unk_share"]
+    assert results["unk_token"] == "<unk>"
+    assert unk["train"] == pytest.approx(29298 / 300000)
+    assert unk["valid"] == pytest.approx(0.1202)
+    assert unk["test"] == pytest.approx(0.1087)
+    overlap = results["datastore_overlap"]
+    assert set(overlap) == {"valid", "test"} and all(0 <= v < 0.01 for v in overlap.values())
+    assert results["near_copy"] == {"key": "final", "metric": "cos", "context": 32}
+    kinds = {w["kind"] for w in results["warnings"]}
+    assert not kinds & {"unk_share", "datastore_overlap", "overlap_mismatch"}
+    valid, rows = results["valid_ppl"], results["protocols"]
+
+    def on_the_base_lm(name: str) -> bool:  # a head on its features, read the base LM's way
+        head = name in ("gnn", "spalm", "spalm_ft") or (name.startswith("learned_wds")
+                                                        and name.endswith("+base"))
+        return head and layout(rows[name]) == layout(rows["base"])
+
+    heads = [name for name in valid if on_the_base_lm(name)]
+    assert {"gnn", "spalm", "learned_wds+base"} <= set(heads)
+    assert {w["row"] for w in results["warnings"] if w["kind"] == "worse_than_base"} == {
+        name for name in heads if valid[name] > valid["base"]}
+    text = (workdir / "reports" / "tests" / "results.md").read_text()
+    assert "Data: tokens unknown to the vocabulary (`<unk>`): train 9.8%, valid 12.0%, " \
+           "test 10.9%; positions whose nearest train key is a near-copy" in text
+    assert ("Warnings:" in text) == bool(results["warnings"])
 
 
 def test_base_lm_is_far_below_unigram_on_the_same_tokens(workdir):

@@ -176,3 +176,19 @@ def test_bad_settings_are_refused(built):
         build_pq(wd, "mid", CFG)
     with pytest.raises(ArtifactError, match=r"config\.m: 2 → 4"):
         build_pq(wd, "final", PQConfig(m=4, opq=False, train_sample=2000, chunk=1000))
+
+
+def test_the_log_accounts_for_the_codec_training(tmp_path, monkeypatch, capsys):
+    """The codec's k-means comes before the chunk loop, whose line counts only the encoding: the
+    log says when training starts and what it took, so it never reads "0s elapsed" after a
+    silent wait of minutes."""
+    monkeypatch.delenv("GNNLM_QUIET", raising=False)
+    wd = workdir_with_features(tmp_path, low_rank())
+    manifest = build_pq(wd, "final", CFG)
+    lines = [line.strip() for line in capsys.readouterr().err.splitlines()]
+    start = lines.index("PQ codec final: training PQ2x8np on 2000 of 3000 features")
+    trained = next(i for i, line in enumerate(lines) if line.startswith("PQ codec final: "
+                                                                         "trained in "))
+    codes = next(i for i, line in enumerate(lines) if line.startswith("PQ codes final: 3/3"))
+    assert start < trained < codes
+    assert 0 < manifest["codec_seconds"] <= manifest["seconds"]

@@ -6,6 +6,11 @@ training loop. Evaluation batches carry a score mask (sliding windows or memory 
 
 With ``memory_length > 0`` (Transformer-XL short-term memory) the data module serves contiguous
 segments per stream, and the memory of one batch is passed to the next.
+
+The checkpoint records ``vocab_fingerprint``, the fingerprint of the vocabulary the model is
+trained on (the data module's ordered token list): a token id is only a row of the embedding,
+so whoever reads the model with other tokens (the pipeline, a later fit or test) can tell that
+the ids would mean other words, which equal vocabulary sizes do not show.
 """
 from __future__ import annotations
 
@@ -23,8 +28,10 @@ class LanguageModel(TokenLevelModule):
                  n_head: int = 4, d_model: int = 256, d_ff: int = 1024, dropout: float = 0.1,
                  tie_embeddings: bool = True, memory_length: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-                 warmup_steps: int = 100, min_lr_ratio: float = 0.1):
-        """``vocab_size`` is linked from the data module by the CLI."""
+                 warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+                 vocab_fingerprint: Optional[str] = None):
+        """``vocab_size`` is linked from the data module by the CLI; ``vocab_fingerprint`` is
+        taken from the data module at ``setup`` (a checkpoint's is restored with it)."""
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(
@@ -47,6 +54,29 @@ class LanguageModel(TokenLevelModule):
         mask = batch.get("mask", torch.ones_like(batch["target"], dtype=torch.float))
         positions = batch.get("positions")
         return nll, mask.flatten().float(), None if positions is None else positions.flatten()
+
+    def setup(self, stage: str) -> None:
+        """Record the vocabulary of the data module's tokens, or refuse tokens of another."""
+        super().setup(stage)
+        data = self.trainer.datamodule if self.trainer is not None else None
+        self._same_vocabulary(getattr(data, "vocab_fingerprint", None), "the data module's tokens")
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Weights restored from a checkpoint were trained on its recorded vocabulary."""
+        saved = (checkpoint.get("hyper_parameters") or {}).get("vocab_fingerprint")
+        self._same_vocabulary(saved, "the checkpoint's weights")
+
+    def _same_vocabulary(self, fingerprint: Optional[str], source: str) -> None:
+        recorded = self.hparams.get("vocab_fingerprint")
+        if fingerprint is None or recorded == fingerprint:
+            return
+        if recorded is None:
+            self.hparams.vocab_fingerprint = fingerprint
+            return
+        raise ValueError(f"The model's vocabulary (fingerprint {recorded}) is not the one of "
+                         f"{source} ({fingerprint}): token ids would mean different words. "
+                         f"Train and evaluate a model with the corpus and tokenizer it was "
+                         f"trained on.")
 
     def on_train_epoch_start(self) -> None:
         self._memory["train"] = None

@@ -10,7 +10,8 @@ from gnnlm.models.base import FEATURE_KEYS, BaseLM, Features
 
 def load_gpt_checkpoint(path: str) -> BaseLM:
     """The built-in GPT of a ``gnnlm fit`` checkpoint, built from its saved hyper-parameters
-    (read as plain data; no code from the file runs)."""
+    (read as plain data; no code from the file runs). ``vocab_fingerprint`` is the vocabulary it
+    was trained on, as the checkpoint records it (None in checkpoints written before it was)."""
     from gnnlm.checkpoints import CheckpointError, load_checkpoint, model_state
     from gnnlm.models.gpt import GPT, GPTConfig
 
@@ -23,6 +24,7 @@ def load_gpt_checkpoint(path: str) -> BaseLM:
                               f"(gnnlm.lit.lm.LanguageModel): it has no GPT weights.")
     model = GPT(GPTConfig(**{k: v for k, v in hparams.items() if k in fields}))
     model.load_state_dict(state)
+    model.vocab_fingerprint = hparams.get("vocab_fingerprint")
     return model
 
 

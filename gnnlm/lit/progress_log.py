@@ -1,0 +1,98 @@
+"""Training progress as plain lines, for logs that are not a terminal.
+
+Lightning's progress bar redraws one line in place; with stdout redirected (``make demo > log``)
+it shows nothing until the run ends. ``ProgressLog`` then writes, on stderr like the pipeline's
+other progress lines (``gnnlm.progress``), one line at most every ``GNNLM_PROGRESS_SECONDS``
+(default 30) while training, one per validation, and one when training ends:
+
+    fit GNNLM: step 410/1368 (30%), epoch 1/2, 1.71 steps/s, 4:00 elapsed, ETA 9:20, train/loss 6.31
+
+On a terminal with the bar on, it stays silent; ``GNNLM_QUIET=1`` silences it too.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback, Timer
+from pytorch_lightning.trainer.states import TrainerFn
+
+from gnnlm.progress import format_seconds, say
+
+
+class ProgressLog(Callback):
+    """Plain progress lines of ``fit`` when no progress bar can be seen.
+
+    ``every_seconds``: the interval between lines (default ``GNNLM_PROGRESS_SECONDS`` or 30);
+    ``enabled``: force the lines on or off (default: on when stdout is not a terminal or the
+    trainer shows no progress bar)."""
+
+    def __init__(self, every_seconds: Optional[float] = None, enabled: Optional[bool] = None):
+        self.every_seconds = every_seconds
+        self.enabled = enabled
+        self._on = False
+        self._t0 = self._last = 0.0
+        self._start_step = 0
+
+    def _every(self) -> float:
+        if self.every_seconds is not None:
+            return float(self.every_seconds)
+        return float(os.environ.get("GNNLM_PROGRESS_SECONDS", 30))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        shown = self.enabled
+        if shown is None:  # a bar nobody can see: stdout redirected, or no bar at all
+            shown = not sys.stdout.isatty() or trainer.progress_bar_callback is None
+        self._on = bool(shown) and trainer.is_global_zero
+        self._t0 = self._last = time.perf_counter()
+        self._start_step = trainer.global_step  # a resumed run counts its rate from here
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._on and now - self._last >= self._every():
+            self._last = now
+            say(f"  {self.line(trainer, pl_module)}")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._on or trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        scores = ", ".join(f"{key} {float(value):.4g}"
+                           for key, value in trainer.callback_metrics.items()
+                           if key.startswith("val/") and key != "val/tokens")
+        say(f"  fit {type(pl_module).__name__}: validation at step {trainer.global_step}: "
+            f"{scores or 'no metrics'}")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._on:  # a log always ends with the totals
+            say(f"  {self.line(trainer, pl_module)}")
+
+    def line(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        """``fit <Model>: step s/total (p%), epoch e/E, rate, elapsed, ETA, last train loss``."""
+        step, elapsed = trainer.global_step, time.perf_counter() - self._t0
+        total = trainer.estimated_stepping_batches
+        rate = (step - self._start_step) / elapsed if elapsed > 0 else 0.0
+        parts = [f"fit {type(pl_module).__name__}: step {step}"]
+        left = math.inf
+        if math.isfinite(total) and total > 0:
+            parts[0] += f"/{int(total)} ({100 * step / total:.0f}%)"
+            if rate > 0:
+                left = (total - step) / rate
+        max_epochs = trainer.max_epochs  # -1 when max_steps bounds training instead
+        parts.append(f"epoch {trainer.current_epoch + 1}"
+                     + (f"/{max_epochs}" if max_epochs is not None and max_epochs > 0 else ""))
+        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        if timer is not None:  # trainer.max_time ends training first when it is sooner
+            remaining = timer.time_remaining()
+            if remaining is not None:
+                left = min(left, max(remaining, 0.0))
+        parts += [f"{rate:.2f} steps/s", f"{format_seconds(elapsed)} elapsed",
+                  f"ETA {format_seconds(left) if math.isfinite(left) else '?'}"]
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None:
+            parts.append(f"train/loss {float(loss):.4f}")
+        return ", ".join(parts)

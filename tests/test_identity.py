@@ -1,0 +1,279 @@
+"""Artifacts are identified by what makes their contents: a trained part by the merged values of
+its YAMLs (not their text), a Hugging Face tokenizer by its vocabulary and rules (not its path);
+work directories recorded the older way are reused; a refusal stays one short line."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import REPO
+from fakes import write_corpus
+from families import FAMILIES, save_family, train_bpe
+
+from gnnlm.artifacts import ArtifactBuilder, ArtifactError, fingerprint, read_manifest
+from gnnlm.workdir import Workdir
+
+# One file of a tiny `gnnlm fit` run (two steps of a one-layer LM on a few lines).
+TINY = """\
+# gnnlm fit -c tiny.yaml
+seed_everything: 1
+trainer:
+  accelerator: cpu
+  devices: 1
+  max_steps: 2
+  limit_val_batches: 1
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  default_root_dir: {root}/logs
+model:
+  class_path: gnnlm.lit.lm.LanguageModel
+  init_args:
+    context_length: 8
+    n_layer: 1
+    n_head: 1
+    d_model: 8
+    d_ff: 16
+data:
+  class_path: datamodules.lm.LMDataModule
+  init_args:
+    corpus: tiny
+    corpus_path: {corpus}
+    workdir: {root}/work
+    block_size: 8
+    eval_context: 8
+    eval_stride: 4
+    batch_size: 2
+    eval_batch_size: 2
+"""
+
+# The same values in two files, keys in another order, other comments and spacing, and another
+# log folder and work directory (which fit_with_cli sets itself).
+BASE = """\
+# the model and the trainer
+model:
+  init_args: {d_ff: 16, d_model: 8, n_head: 1, n_layer: 1, context_length: 8}
+  class_path: gnnlm.lit.lm.LanguageModel
+trainer:
+  max_steps: 2          # two steps
+  devices: 1
+  accelerator: cpu
+  limit_val_batches: 1
+  enable_checkpointing: false
+  default_root_dir: /somewhere/else
+seed_everything: 1
+"""
+OVERLAY = """\
+# the data, and what only shows progress
+data:
+  init_args:
+    eval_batch_size: 2
+    batch_size: 2
+    eval_stride: 4
+    eval_context: 8
+    block_size: 8
+    workdir: /another/workdir
+    corpus_path: {corpus}
+    corpus: tiny
+  class_path: datamodules.lm.LMDataModule
+trainer: {{enable_model_summary: false, enable_progress_bar: false, logger: false}}
+"""
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny LM trained once by ``fit_with_cli`` into ``heads/lm``: (folder, the YAML)."""
+    from gnnlm.runner import fit_with_cli
+
+    root = tmp_path_factory.mktemp("trained")
+    corpus = write_corpus(root / "corpus", train="the cat sat on the mat\n" * 40)
+    yaml_file = root / "tiny.yaml"
+    yaml_file.write_text(TINY.format(root=root, corpus=corpus))
+    fit_with_cli(Workdir(root / "work"), "lm", [str(yaml_file)], {}, predict=False)
+    return root, yaml_file
+
+
+@pytest.fixture
+def work(trained, tmp_path):
+    """A copy of the trained work directory, and the split YAMLs of the same values."""
+    root, yaml_file = trained
+    shutil.copytree(root / "work", tmp_path / "work")
+    corpus = root / "corpus"
+    (tmp_path / "base.yaml").write_text(BASE)
+    (tmp_path / "overlay.yaml").write_text(OVERLAY.format(corpus=corpus))
+    return Workdir(tmp_path / "work"), yaml_file, [str(tmp_path / "base.yaml"),
+                                                   str(tmp_path / "overlay.yaml")]
+
+
+def test_comments_key_order_and_an_overlay_split_reuse_the_trained_part(work, capsys):
+    from gnnlm.runner import fit_with_cli
+
+    wd, yaml_file, split = work
+    before = read_manifest(wd.head("lm"))
+    commented = wd.root.parent / "commented.yaml"
+    commented.write_text("# a comment added later\n" + yaml_file.read_text().replace(
+        "max_steps: 2", "max_steps: 2     # two steps"))
+    for configs in ([str(commented)], split):
+        assert fit_with_cli(wd, "lm", configs, {}, predict=False) == before
+        assert capsys.readouterr().err.count("skipped (complete)") == 1
+    assert before["config"]["values"]["model"]["init_args"]["d_ff"] == 16
+    assert "default_root_dir" not in before["config"]["values"]["trainer"]
+    assert "workdir" not in before["config"]["values"]["data"]["init_args"]
+
+
+def test_a_changed_value_is_refused_naming_that_field(work):
+    from gnnlm.runner import fit_with_cli
+
+    wd, _, split = work
+    overlay = wd.root.parent / "d_ff.yaml"
+    overlay.write_text("model:\n  init_args:\n    d_ff: 32\n")
+    before = (wd.head("lm") / "manifest.json").read_text()
+    with pytest.raises(ArtifactError) as err:
+        fit_with_cli(wd, "lm", [*split, str(overlay)], {}, predict=False)
+    assert str(err.value) == (
+        f"{wd.head('lm')} holds a trained_model made with other settings than this run asks for: "
+        f"config.values.model.init_args.d_ff: 16 → 32. Use another work directory, delete the "
+        f"folder, or rerun with --rebuild.")
+    assert (wd.head("lm") / "manifest.json").read_text() == before
+    assert not wd.head("lm").with_name("lm.partial").exists()
+
+
+def _as_recorded_before(path, config: dict) -> dict:
+    """Rewrite the manifest at ``path`` as the previous version wrote it: ``config`` and its
+    fingerprint."""
+    manifest = read_manifest(path)
+    manifest.update(config=config, fingerprint=fingerprint(manifest["kind"], config,
+                                                           manifest["inputs"]))
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_a_trained_part_recorded_with_its_yaml_texts_is_reused_by_value(work, capsys):
+    """Its fingerprint stays (the ablations record the memory LM's), so nothing downstream
+    changes; texts of other values are refused naming the field, not quoting the texts."""
+    from gnnlm.runner import fit_with_cli
+
+    wd, yaml_file, split = work
+    old = _as_recorded_before(wd.head("lm"), {"name": "lm", "yaml": [yaml_file.read_text()]})
+    assert fit_with_cli(wd, "lm", split, {}, predict=False) == old
+    assert "skipped (complete)" in capsys.readouterr().err
+
+    overlay = wd.root.parent / "lr.yaml"
+    overlay.write_text("model:\n  init_args:\n    lr: 0.01\n")
+    with pytest.raises(ArtifactError) as err:
+        fit_with_cli(wd, "lm", [*split, str(overlay)], {}, predict=False)
+    assert str(err.value) == (
+        f"{wd.head('lm')} holds a trained_model made with other settings than this run asks for: "
+        f"config.values.model.init_args.lr: (none) → 0.01. Use another work directory, delete "
+        f"the folder, or rerun with --rebuild.")
+    assert read_manifest(wd.head("lm")) == old
+
+
+def test_a_long_difference_is_refused_in_one_short_line(tmp_path):
+    text = "# gnnlm fit -c base_lm.yaml\n" + "trainer:\n  max_steps: 1\n" * 400   # ~8k chars
+    builder = ArtifactBuilder(tmp_path / "a", kind="trained_model",
+                              config={"yaml": [text], **{f"k{i:02d}": i for i in range(12)}})
+    with builder:
+        builder.finish()
+    asked = {"yaml": [text.replace("max_steps: 1", "max_steps: 2")],
+             **{f"k{i:02d}": i + 1 for i in range(12)}}
+    with pytest.raises(ArtifactError) as err:
+        ArtifactBuilder(tmp_path / "a", kind="trained_model", config=asked).is_complete()
+    head = (f"{tmp_path / 'a'} holds a trained_model made with other settings than this run asks "
+            f"for: ")
+    message = str(err.value)
+    assert message.startswith(head) and len(message) - len(head) < 400
+    assert message[len(head):] == (
+        'config.k00: 0 → 1; config.k01: 1 → 2; config.k02: 2 → 3; config.k03: 3 → 4; '
+        'config.k04: 4 → 5; and 8 more. Use another work directory, delete the folder, or '
+        'rerun with --rebuild.')
+
+    with pytest.raises(ArtifactError) as err:
+        ArtifactBuilder(tmp_path / "a", kind="trained_model",
+                        config={"yaml": asked["yaml"], **{f"k{i:02d}": i for i in range(12)}}
+                        ).is_complete()
+    old, new = (t.replace("\n", "\\n")[:58] for t in (text, asked["yaml"][0]))
+    assert str(err.value)[len(head):] == (
+        f'config.yaml.0: "{old}… → "{new}…. Use another work directory, delete the folder, '
+        f'or rerun with --rebuild.')
+
+
+# -- a Hugging Face model's folder, copied elsewhere --------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_corpus(wikitext_root, tmp_path_factory):
+    """The first 40k characters of train and 10k of valid and test, cut at line ends."""
+    folder = tmp_path_factory.mktemp("wt2-small")
+    for split, chars in (("train", 40_000), ("valid", 10_000), ("test", 10_000)):
+        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
+        (folder / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
+    return folder
+
+
+def _first_stages(folder, corpus, work, *extra):
+    from gnnlm.config import load_config
+    from gnnlm.pipeline import stage_base_lm, stage_features
+
+    cfg = load_config(["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
+                       f"--corpus.path={corpus}", f"--workdir={work}", "--gnn.config=null",
+                       *extra])
+    wd = Workdir(cfg.workdir)
+    model, store, _, location = stage_base_lm(cfg, wd)
+    stage_features(cfg, model, store, wd, location)
+    return {name: read_manifest(path) for name, path in (
+        ("tokens", wd.tokens), *((s, wd.features(s)) for s in ("train", "valid", "test")))}
+
+
+def test_a_copied_model_folder_rebuilds_nothing(hf_corpus, tmp_path, capsys):
+    bpe = train_bpe((hf_corpus / "train.txt").read_text(), 300)
+    folder = save_family(FAMILIES["gpt2"], bpe, tmp_path / "gpt2")
+    built = _first_stages(folder, hf_corpus, tmp_path / "work")
+    capsys.readouterr()
+
+    copy = shutil.copytree(folder, tmp_path / "elsewhere" / "gpt2-copy")
+    assert _first_stages(copy, hf_corpus, tmp_path / "work") == built
+    assert capsys.readouterr().err.count("skipped (complete)") == 5  # tokens, embedding, 3 splits
+    assert built["tokens"]["tokenizer_path"] == str(folder)   # information, not identity
+
+    # tokens rebuilt from the copy: the same fingerprint, so the features stay theirs
+    rebuilt = _first_stages(copy, hf_corpus, tmp_path / "work", "--rebuild=[tokens]")
+    assert rebuilt["tokens"]["fingerprint"] == built["tokens"]["fingerprint"]
+    assert rebuilt["tokens"]["tokenizer_path"] == str(copy)
+    assert {s: rebuilt[s] for s in ("train", "valid", "test")} == {
+        s: built[s] for s in ("train", "valid", "test")}
+    assert _first_stages(folder, hf_corpus, tmp_path / "work")["valid"] == built["valid"]
+
+
+def test_tokens_recorded_with_the_tokenizer_s_path_are_reused_from_a_copy(hf_corpus, tmp_path):
+    """Their fingerprint (which the features record) stays; another tokenizer is refused."""
+    from gnnlm.tokens import TokenizerConfig, build_tokens
+
+    bpe = train_bpe((hf_corpus / "train.txt").read_text(), 300)
+    folder = save_family(FAMILIES["gpt2"], bpe, tmp_path / "gpt2")
+    out = tmp_path / "work" / "tokens"
+    build_tokens(out, "small", str(hf_corpus), tokenizer=TokenizerConfig(kind="hf",
+                                                                         path=str(folder)))
+    old = _as_recorded_before(out, {"corpus": "small",
+                                    "tokenizer": {"kind": "hf", "path": str(folder)}})
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    store = build_tokens(out, "small", str(hf_corpus),
+                         tokenizer=TokenizerConfig(kind="hf", path=str(copy)))
+    assert store.manifest == old
+
+    other = save_family(FAMILIES["llama"], bpe, tmp_path / "llama")   # BOS before every text
+    with pytest.raises(ArtifactError) as err:
+        build_tokens(out, "small", str(hf_corpus),
+                     tokenizer=TokenizerConfig(kind="hf", path=str(other)))
+    bos = bpe.token_to_id("<s>")
+    assert str(err.value) == (
+        f"{out} holds a tokens made with other settings than this run asks for: "
+        f"config.tokenizer.bos_each_window: false → true; config.tokenizer.bos_id: 0 → {bos}. "
+        f"Use another work directory, delete the folder, or rerun with --rebuild.")
+    assert read_manifest(out) == old
