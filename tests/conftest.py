@@ -50,6 +50,18 @@ def wikitext_tokens(wikitext_root, tmp_path_factory):
                         data_dir=str(wikitext_root))
 
 
+# The demo's pipeline configs, and the CPU base LM's `gnnlm fit` configs.
+CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
+LM = ["-c", "configs/trainer/cpu.yaml", "-c", "configs/wikitext2/base_lm.yaml",
+      "-c", "configs/wikitext2/base_lm_cpu.yaml"]
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    """Run in the repository root: configs name each other relative to it."""
+    monkeypatch.chdir(REPO)
+
+
 # The test pipeline's commands: its config is an overlay of the demo's configs.
 PIPELINE = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml",
             "-c", "configs/tests/pipeline.yaml"]

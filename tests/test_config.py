@@ -4,16 +4,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import REPO
+from conftest import CPU
 
 from gnnlm.config import load_config, merged_yaml
 
-CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
-
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO)  # configs name each other relative to the repository
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 def test_overlays_merge_key_by_key():

@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import CPU, LM
 from fakes import error_of, save_lm_checkpoint, write_corpus, write_features
 
 from gnnlm.artifacts import ArtifactBuilder, read_manifest
@@ -18,14 +18,7 @@ from gnnlm.knn_cache import build_knn_cache
 from gnnlm.neighbors import NeighborsConfig, build_neighbors
 from gnnlm.workdir import Workdir
 
-CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
-LM = ["-c", "configs/trainer/cpu.yaml", "-c", "configs/wikitext2/base_lm.yaml",
-      "-c", "configs/wikitext2/base_lm_cpu.yaml"]
-
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO)
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 def fit_lm(root, capsys, *extra):

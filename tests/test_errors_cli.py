@@ -7,19 +7,12 @@ import os
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import CPU, LM, REPO
 from fakes import error_of
 
 from gnnlm.cli import USAGE, main
 
-CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
-LM = ["-c", "configs/trainer/cpu.yaml", "-c", "configs/wikitext2/base_lm.yaml",
-      "-c", "configs/wikitext2/base_lm_cpu.yaml"]
-
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO)
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 def lm_test(tmp_path, capsys, ckpt):

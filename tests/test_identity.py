@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-from conftest import REPO
 from fakes import write_corpus
 from families import FAMILIES, save_family, train_bpe
 
@@ -81,10 +80,7 @@ data:
 trainer: {{enable_model_summary: false, enable_progress_bar: false, logger: false}}
 """
 
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO)
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 @pytest.fixture(scope="module")

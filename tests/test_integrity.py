@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import CPU, REPO
 from fakes import error_of, write_features
 
 from gnnlm import artifacts
@@ -29,13 +29,9 @@ from gnnlm.neighbors import NeighborsConfig, build_neighbors
 from gnnlm.runner import head_logprobs
 from gnnlm.workdir import Workdir
 
-CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
 CHANGED = "changed after it was built (a disk fault, a copy cut short, or an edit)."
 
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO)
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 def make_workdir(root, lm_logprob=None):

@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import CPU
 from fakes import error_of, save_lm_checkpoint
 
 import gnnlm.devices
 from gnnlm.config import load_config
 
-CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml"]
 # the CPU pipeline trains its base LM with these: context 128, 128 wide
 BASE_LM = ("configs/trainer/cpu.yaml + configs/wikitext2/base_lm.yaml + "
            "configs/wikitext2/base_lm_cpu.yaml")
@@ -21,10 +20,7 @@ GNN = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",
 FACTORY_ADVICE = ("write a faiss index_factory string such as 'IVF1024,SQ8' or 'IVF1024,PQ32', "
                   "or 'auto' to let the pipeline choose.")
 
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO)  # configs name each other relative to the repository
+pytestmark = pytest.mark.usefixtures("in_repo")
 
 
 def refused(tmp_path, capsys, *flags: str, config=CPU) -> str:
