@@ -27,9 +27,9 @@ from gnnlm.artifacts import (
 
 def find_artifacts(root: Path) -> tuple[list[Path], list[Path]]:
     """The artifact folders under ``root`` (those with a manifest) and the unfinished builds
-    (``*.partial``), in path order."""
+    (``*.partial``), in path order; artifacts linked in from elsewhere are followed."""
     complete, partial = [], []
-    for folder, subfolders, files in os.walk(root):
+    for folder, subfolders, files in os.walk(root, followlinks=True):
         here = Path(folder)
         if here.name.endswith(".partial"):
             partial.append(here)

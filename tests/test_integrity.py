@@ -186,6 +186,18 @@ def test_verify_names_every_bad_file_and_how_to_rebuild_it(wd, capsys):
                                 "0 unfinished; ")
 
 
+def test_verify_follows_artifacts_linked_in_from_another_work_directory(wd, tmp_path, capsys):
+    """A work directory that links the features of another (shared to save disk) is verified
+    through the links."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "features").symlink_to(wd.root / "features")
+    flip(wd.features("valid") / "lm_logprob.bin")
+    line = error_of(["verify", str(other)], capsys)
+    assert line.startswith(f"gnnlm verify: error: 1 of 3 artifacts in {other} are damaged: "
+                           f"{other / 'features' / 'valid' / 'lm_logprob.bin'} does not match")
+
+
 def test_verify_of_a_folder_that_is_no_work_directory(tmp_path, capsys):
     assert error_of(["verify", str(tmp_path)], capsys) == (
         f"gnnlm verify: error: {tmp_path} holds no artifacts (no manifest.json under it): give "
