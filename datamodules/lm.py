@@ -127,10 +127,8 @@ class LMDataModule(pl.LightningDataModule):
         self.store: TokenStore = build_tokens(Workdir(workdir).tokens, corpus, corpus_path,
                                               data_dir, tokenizer)
         self.vocab_size = self.store.vocab_size
-        # what the ids mean, recorded by the model (tokens built before the manifest kept it:
-        # from the tokenizer saved with them)
-        self.vocab_fingerprint: str = (self.store.manifest.get("vocab_fingerprint")
-                                       or self.store.tokenizer.vocab_fingerprint())
+        # what the ids mean: the LM records it in its checkpoint
+        self.vocab_fingerprint = self.store.vocab_fingerprint
 
     def scoring_protocol(self, memory: int = 0) -> Protocol:
         """How valid/test are scored by a model with ``memory`` cached states: sliding windows,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,8 +20,9 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or holds something that is not plain data."""
 
 
-def _allowed() -> list:
-    # the configuration dataclasses that data modules take as arguments (saved as hparams)
+def plain_classes() -> list:
+    """The classes besides tensors and plain data that a checkpoint of this package may hold:
+    the configuration dataclasses the data modules take as arguments (saved as hparams)."""
     from gnnlm.graph import GraphConfig
     from gnnlm.tokens import TokenizerConfig
 
@@ -28,14 +30,17 @@ def _allowed() -> list:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint dict at ``path``, unpickled with ``weights_only=True``."""
+    """The checkpoint dict at ``path``, unpickled with ``weights_only=True``. A zip archive (what
+    ``torch.save`` writes) is memory-mapped: reading its hyper-parameters, as the checks at load
+    do, does not read its weights."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"No checkpoint at {path}: give a .ckpt written by `gnnlm fit` "
                               f"(or hf:<name-or-folder> for a Hugging Face model).")
     try:
-        with torch.serialization.safe_globals(_allowed()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(plain_classes()):
+            return torch.load(path, map_location="cpu", weights_only=True,
+                              mmap=zipfile.is_zipfile(path))
     except Exception as err:  # pickle.UnpicklingError, or a truncated / foreign file
         raise CheckpointError(f"Refusing to load {path}: {_what_it_is_not(path, err)}") from None
 

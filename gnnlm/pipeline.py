@@ -86,8 +86,7 @@ def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
                          f"tokenizer of the corpus has {store.vocab_size} types: they must "
                          f"match (for a Hugging Face LM use tokenizer kind 'hf', which without "
                          f"a path is the model's own).")
-    # tokens built before the fingerprint was recorded: the tokenizer saved with them says it
-    corpus = store.manifest.get("vocab_fingerprint") or store.tokenizer.vocab_fingerprint()
+    corpus = store.vocab_fingerprint
     if not hf:
         recorded = getattr(model, "vocab_fingerprint", None)
         if recorded is not None and recorded != corpus:

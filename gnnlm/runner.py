@@ -21,7 +21,7 @@ import torch
 
 from gnnlm import protocols
 from gnnlm.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
-from gnnlm.checkpoints import datamodule_args, load_checkpoint
+from gnnlm.checkpoints import datamodule_args, load_checkpoint, plain_classes
 from gnnlm.metrics import check_finite, ppl_from_logprobs
 from gnnlm.progress import say
 from gnnlm.protocols import Protocol
@@ -117,7 +117,7 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
         cli = instantiate_fit(workdir, name, configs, overrides)
         run = TrainingRun(cli.trainer, workdir, name, builder)
         start = run.start(cli.model, cli.datamodule)
-        with torch.serialization.safe_globals(checkpoint_globals()), warnings.catch_warnings():
+        with torch.serialization.safe_globals(plain_classes()), warnings.catch_warnings():
             if run.resume_from is not None:  # the folder holds this very build's checkpoints
                 warnings.filterwarnings("ignore", message="Checkpoint directory .* not empty")
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=run.resume_from,
@@ -165,14 +165,6 @@ def checkpoint_seconds() -> float:
     """How often a fit writes the checkpoint it resumes from: ``GNNLM_CHECKPOINT_SECONDS``
     (default 300, so a killed run loses at most five minutes)."""
     return float(os.environ.get("GNNLM_CHECKPOINT_SECONDS", 300))
-
-
-def checkpoint_globals() -> list:
-    """The classes besides plain data that a training checkpoint of this package holds (the data
-    modules' config dataclasses), so that Lightning resumes it with ``weights_only=True``."""
-    from gnnlm.checkpoints import _allowed
-
-    return _allowed()
 
 
 def instantiate_fit(workdir: Workdir, name: str, configs: list[str],
@@ -253,10 +245,8 @@ class TrainingRun:
 
 
 def checkpoint_step(path: str | Path) -> int:
-    """The optimiser steps a Lightning checkpoint was written after (read memory-mapped)."""
-    with torch.serialization.safe_globals(checkpoint_globals()):
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return int(state.get("global_step", 0))
+    """The optimiser steps a Lightning checkpoint was written after."""
+    return int(load_checkpoint(path).get("global_step", 0))
 
 
 def _validation_metric(trainer) -> tuple[str, str]:
@@ -281,7 +271,7 @@ def validate_before_training(trainer, model, datamodule, weights_file: Path) -> 
     # the fit would shuffle (and drop out) otherwise than the same config trained without the
     # extra validation, and a seeded config would no longer give the weights it gave
     rng = _collect_rng_states()
-    with torch.serialization.safe_globals(checkpoint_globals()):
+    with torch.serialization.safe_globals(plain_classes()):
         results = trainer.validate(model, datamodule=datamodule, verbose=False)
     _set_rng_states(rng)
     _reset_metrics(model)
@@ -336,7 +326,7 @@ def keep_initial_weights(cli, start: Optional[dict], last,
     elif last.step == trainer.global_step:
         final = last.score
     else:
-        with torch.serialization.safe_globals(checkpoint_globals()):
+        with torch.serialization.safe_globals(plain_classes()):
             results = trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
         final = float(results[0].get(metric, float("nan"))) if results else float("nan")
     better = final < initial if mode == "min" else final > initial

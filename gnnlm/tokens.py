@@ -320,6 +320,12 @@ class TokenStore:
         return bool(self.manifest.get("bos_each_window", False))
 
     @property
+    def vocab_fingerprint(self) -> str:
+        """What the ids mean (``Tokenizer.vocab_fingerprint``): as the manifest records it, or,
+        for tokens built before manifests did, from the tokenizer saved with them."""
+        return self.manifest.get("vocab_fingerprint") or self.tokenizer.vocab_fingerprint()
+
+    @property
     def level(self) -> str:
         return self.manifest["config"]["tokenizer"]["kind"]
 

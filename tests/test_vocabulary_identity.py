@@ -76,9 +76,9 @@ def without_saved_corpus(fitted, name: str, drop_fingerprint: bool = False) -> s
     """The fitted checkpoint as if trained where its corpus is not found on this machine (its
     saved corpus path does not exist here), optionally without the vocabulary's fingerprint
     (a checkpoint written before it was recorded)."""
-    from gnnlm.checkpoints import _allowed
+    from gnnlm.checkpoints import plain_classes
 
-    with torch.serialization.safe_globals(_allowed()):
+    with torch.serialization.safe_globals(plain_classes()):
         checkpoint = torch.load(fitted["ckpt"], weights_only=True)
     checkpoint["datamodule_hyper_parameters"]["corpus_path"] = "/elsewhere/corpus-a"
     if drop_fingerprint:
