@@ -13,13 +13,13 @@ export WANDB_MODE ?= offline
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 BIN := $(VENV)/bin
 # the modules of pure maths and artifacts, type-checked by mypy (the Lightning glue is not)
-TYPED := gnnlm/artifacts.py gnnlm/workdir.py gnnlm/progress.py gnnlm/devices.py \
-	gnnlm/metrics.py gnnlm/checkpoints.py gnnlm/corpus.py gnnlm/tokens.py gnnlm/encode.py \
-	gnnlm/datastore.py gnnlm/search.py gnnlm/index.py gnnlm/neighbors.py gnnlm/knn.py \
-	gnnlm/knn_cache.py gnnlm/pq.py gnnlm/graph.py gnnlm/gnn_layer.py gnnlm/gnn_dense.py \
-	gnnlm/window_states.py gnnlm/heads.py gnnlm/config.py gnnlm/tuning.py gnnlm/ranks.py \
-	gnnlm/shards.py gnnlm/models/base.py gnnlm/models/hf.py gnnlm/protocols.py \
-	gnnlm/multi_gpu.py gnnlm/data_checks.py gnnlm/lock.py gnnlm/verify.py
+TYPED := gnnlm/workdir/artifacts.py gnnlm/workdir/layout.py gnnlm/utils/progress.py gnnlm/utils/devices.py \
+	gnnlm/utils/metrics.py gnnlm/workdir/checkpoints.py gnnlm/text/corpus.py gnnlm/text/tokens.py gnnlm/models/encode.py \
+	gnnlm/retrieval/features.py gnnlm/retrieval/search.py gnnlm/retrieval/index.py gnnlm/retrieval/neighbors.py gnnlm/retrieval/knn.py \
+	gnnlm/retrieval/knn_cache.py gnnlm/gnn/pq.py gnnlm/gnn/graph.py gnnlm/gnn/layer.py gnnlm/gnn/dense.py \
+	gnnlm/gnn/window_states.py gnnlm/heads.py gnnlm/pipeline/config.py gnnlm/retrieval/tuning.py gnnlm/workdir/ranks.py \
+	gnnlm/workdir/shards.py gnnlm/models/base.py gnnlm/models/hf.py gnnlm/models/protocols.py \
+	gnnlm/retrieval/multi_gpu.py gnnlm/pipeline/data_checks.py gnnlm/workdir/lock.py gnnlm/workdir/verify.py
 
 .PHONY: setup test test-unit lint demo clean
 

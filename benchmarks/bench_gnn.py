@@ -11,7 +11,7 @@ For each k it builds the real data module's graphs and times, on the first test 
 - ``eval``, path ``per_retrieval``: one window per retrieval (every retrieved window
   recomputed for every token that retrieves it), graph building + forward + log-softmax;
 - ``eval``, path ``once``: the blocks without window nodes, each distinct retrieved window
-  computed once (``gnnlm.window_states``), as the pipeline evaluates, over ``--eval-tokens``
+  computed once (``gnnlm.gnn.window_states``), as the pipeline evaluates, over ``--eval-tokens``
   tokens (the share of windows computed per token falls as more tokens retrieve the same
   positions: the pipeline scores whole splits);
 - ``eval``, path ``knn_lm``: kNN-LM's own work on the same tokens: the search of k neighbours
@@ -36,17 +36,17 @@ import torch
 from torch.nn import functional as F
 
 from datamodules.graph import GraphDataModule
-from gnnlm.artifacts import open_array
-from gnnlm.datastore import open_features
-from gnnlm.devices import torch_device
-from gnnlm.encode import encode_windows
-from gnnlm.graph import GraphConfig
-from gnnlm.knn import knn_logprob
+from gnnlm.gnn.graph import GraphConfig
 from gnnlm.lit.gnn import GNNLM
 from gnnlm.models import load_base_lm
-from gnnlm.search import Searcher
-from gnnlm.tokens import TokenStore
-from gnnlm.workdir import Workdir
+from gnnlm.models.encode import encode_windows
+from gnnlm.retrieval.features import open_features
+from gnnlm.retrieval.knn import knn_logprob
+from gnnlm.retrieval.search import Searcher
+from gnnlm.text.tokens import TokenStore
+from gnnlm.utils.devices import torch_device
+from gnnlm.workdir.artifacts import open_array
+from gnnlm.workdir.layout import Workdir
 
 
 def reset_peak(device: torch.device) -> None:

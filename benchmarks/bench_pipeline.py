@@ -29,14 +29,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gnnlm.datastore import build_features, open_features
-from gnnlm.encode import sliding_windows, stream_tensor
-from gnnlm.knn import knn_lm_logprob
-from gnnlm.knn_cache import open_knn_cache
 from gnnlm.models import load_base_lm
-from gnnlm.search import Searcher
-from gnnlm.tokens import TokenStore
-from gnnlm.workdir import Workdir
+from gnnlm.models.encode import sliding_windows, stream_tensor
+from gnnlm.retrieval.features import build_features, open_features
+from gnnlm.retrieval.knn import knn_lm_logprob
+from gnnlm.retrieval.knn_cache import open_knn_cache
+from gnnlm.retrieval.search import Searcher
+from gnnlm.text.tokens import TokenStore
+from gnnlm.workdir.layout import Workdir
 
 
 def timed(fn, repeat: int = 1):

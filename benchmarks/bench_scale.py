@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gnnlm.artifacts import ArtifactBuilder
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.search import Searcher, exact_search, recall_at
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.search import Searcher, exact_search, recall_at
+from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.layout import Workdir
 
 WIKITEXT103 = 103_227_021
 

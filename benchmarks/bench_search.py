@@ -4,7 +4,7 @@
     python benchmarks/bench_search.py --n 20000 --queries 2000 --factory IVF128,PQ32x8np
 
 Writes a synthetic clustered datastore as a real features artifact into a temporary folder,
-builds the index with ``gnnlm.index.build_index`` and times:
+builds the index with ``gnnlm.retrieval.index.build_index`` and times:
 
 1. ``Searcher.search`` (float16 -> float32, normalisation, -inf padding) vs ``index.search`` on
    the very same faiss index with the same nprobe: the wrapper's overhead (ratio ~1 is the goal);
@@ -23,10 +23,10 @@ import faiss
 import numpy as np
 import torch
 
-from gnnlm.artifacts import ArtifactBuilder
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.search import Searcher, exact_search
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.search import Searcher, exact_search
+from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.layout import Workdir
 
 
 def synthetic_keys(n: int, d: int, centres: int, seed: int, rank: int = 8) -> np.ndarray:

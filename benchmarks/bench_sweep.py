@@ -5,8 +5,8 @@
 
 On a synthetic in-RAM cache (sorted similarities, ~15% hits) it times:
 
-1. ``gnnlm.knn.sweep`` over the whole k × T × λ grid (points/s), against evaluating the same
-   grid point by point with ``knn_logprob`` + ``interpolate`` (on a sample of points; ratio);
+1. ``gnnlm.retrieval.knn.sweep`` over the whole k × T × λ grid (points/s), against evaluating the
+   same grid point by point with ``knn_logprob`` + ``interpolate`` (on a sample of points; ratio);
 2. a kNN-LM evaluation at one point, ``knn_lm_logprob`` (tokens/s), against copying the
    cache's sims and hits it reads (the memory-bound floor).
 """
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from gnnlm.knn import evaluate, knn_lm_logprob, sweep
+from gnnlm.retrieval.knn import evaluate, knn_lm_logprob, sweep
 
 
 def synthetic_cache(n: int, K: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -15,10 +15,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.sampling import eval_sampler
-from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.datastore import check_key, load_output_embedding, open_features
-from gnnlm.neighbors import neighbor_values
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.features import check_key, load_output_embedding, open_features
+from gnnlm.retrieval.neighbors import neighbor_values
+from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 
 class NeighborValues:

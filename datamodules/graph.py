@@ -7,7 +7,7 @@ retrieved train positions, widened to windows p−l … p+r, become ``nbr`` node
 ``gnnlm pipeline`` under ``workdir``: the ``key`` features, their neighbours under ``metric``, and
 the PQ codes of the ``key`` features.
 
-Train graphs follow the leakage rule of ``gnnlm.graph``: no node has read, or is, the target of
+Train graphs follow the leakage rule of ``gnnlm.gnn.graph``: no node has read, or is, the target of
 any ctx token it can reach (retrieved tokens that would are replaced by the next of the K stored
 neighbours). A leakage window of 0 (``neighbors.leakage_window: 0``, recorded in the train
 neighbours' manifest, or this module's ``leakage_window=0``) is the no-masking ablation: train
@@ -15,9 +15,9 @@ graphs then drop and replace nothing, ``leakage_window`` is None and the leakage
 Blocks partition each split, so evaluation scores every token exactly once, the same tokens as
 the base LM and kNN-LM.
 
-Valid/test blocks leave their windows out (``eval_windows="once"``, ``gnnlm.graph.
+Valid/test blocks leave their windows out (``eval_windows="once"``, ``gnnlm.gnn.graph.
 build_context_graph``): each token names the k train positions it retrieved, and the GNN-LM
-module computes each retrieved window once (``gnnlm.window_states``), whichever tokens, batches
+module computes each retrieved window once (``gnnlm.gnn.window_states``), whichever tokens, batches
 and evaluations retrieve it. ``"per_retrieval"`` gives every retrieval its own window nodes, as
 in training: the same numbers, at the cost of one window per retrieval.
 
@@ -40,11 +40,11 @@ from torch_geometric.data import HeteroData
 from torch_geometric.loader import DataLoader
 
 from datamodules.sampling import eval_sampler
-from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.datastore import load_output_embedding, open_features
-from gnnlm.graph import GraphConfig, build_context_graph, build_graph
-from gnnlm.pq import PQFeatures, RawFeatures
-from gnnlm.workdir import Workdir
+from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
+from gnnlm.gnn.pq import PQFeatures, RawFeatures
+from gnnlm.retrieval.features import load_output_embedding, open_features
+from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 
 class GraphBlocks(Dataset):

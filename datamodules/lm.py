@@ -1,7 +1,7 @@
 """LightningDataModule for base-LM training and evaluation on a tokenized corpus.
 
 - train: shuffled non-overlapping blocks of ``block_size`` tokens;
-- valid/test: the sliding-window protocol of ``gnnlm.encode`` (context C, stride S), each
+- valid/test: the sliding-window protocol of ``gnnlm.models.encode`` (context C, stride S), each
   position scored once, so ``val/ppl`` is the split's perplexity under a stated protocol;
 - with a Transformer-XL model (``memory_length > 0``) every split is served as contiguous
   segments of parallel streams, in order, so memory flows from one batch to the next.
@@ -22,17 +22,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.sampling import eval_sampler
-from gnnlm import protocols
-from gnnlm.encode import open_with_bos, sliding_windows, stream_tensor
-from gnnlm.protocols import Protocol
-from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
-from gnnlm.workdir import Workdir
+from gnnlm.models import protocols
+from gnnlm.models.encode import open_with_bos, sliding_windows, stream_tensor
+from gnnlm.models.protocols import Protocol
+from gnnlm.text.tokens import TokenizerConfig, TokenStore, build_tokens
+from gnnlm.workdir.layout import Workdir
 
 
 class Blocks(Dataset):
     """Non-overlapping blocks: ``input = stream[i*T : (i+1)*T]``, target shifted by one.
 
-    ``positions`` are the split positions (``gnnlm.encode``) that the inputs are read at.
+    ``positions`` are the split positions (``gnnlm.models.encode``) that the inputs are read at.
     ``bos_id`` (models that read BOS first in every window) replaces each block's first input
     and masks its prediction, which would read BOS alone."""
 
@@ -62,7 +62,7 @@ class SlidingWindows(Dataset):
 
     def __init__(self, stream: torch.Tensor, context: int, stride: int,
                  bos_id: Optional[int] = None):
-        """``bos_id``: put it first in every window (as ``gnnlm.encode`` does)."""
+        """``bos_id``: put it first in every window (as ``gnnlm.models.encode`` does)."""
         n = len(stream) - 1
         self.context = min(context, n)
         self.stream, self.bos_id = stream, bos_id

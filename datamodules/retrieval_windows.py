@@ -19,13 +19,12 @@ from torch.utils.data import DataLoader, Dataset
 from datamodules.features import NeighborValues
 from datamodules.lm import Blocks, SlidingWindows
 from datamodules.sampling import eval_sampler
-from gnnlm import protocols
-from gnnlm.artifacts import ArtifactError, read_manifest
-from gnnlm.datastore import open_features
-from gnnlm.encode import stream_tensor
-from gnnlm.models import hf_options
-from gnnlm.protocols import Protocol
-from gnnlm.workdir import SPLITS, Workdir
+from gnnlm.models import hf_options, protocols
+from gnnlm.models.encode import stream_tensor
+from gnnlm.models.protocols import Protocol
+from gnnlm.retrieval.features import open_features
+from gnnlm.workdir.artifacts import ArtifactError, read_manifest
+from gnnlm.workdir.layout import SPLITS, Workdir
 
 
 class WithNeighborValues(Dataset):

@@ -28,12 +28,12 @@ from torch.utils.data import DataLoader
 from datamodules.features import NeighborValues
 from datamodules.lm import StreamSegments
 from datamodules.sampling import eval_sampler
-from gnnlm import protocols
-from gnnlm.artifacts import ArtifactError, read_manifest
-from gnnlm.datastore import open_features
-from gnnlm.encode import stream_tensor
-from gnnlm.protocols import Protocol
-from gnnlm.workdir import SPLITS, Workdir
+from gnnlm.models import protocols
+from gnnlm.models.encode import stream_tensor
+from gnnlm.models.protocols import Protocol
+from gnnlm.retrieval.features import open_features
+from gnnlm.workdir.artifacts import ArtifactError, read_manifest
+from gnnlm.workdir.layout import SPLITS, Workdir
 
 
 class SegmentsWithValues(StreamSegments):

@@ -107,7 +107,7 @@ class GnnlmCLI(LightningCLI):
         config = self.config.get(subcommand) if subcommand else self.config
         ckpt_path = config.get("ckpt_path") if config is not None else None
         if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
-            from gnnlm.checkpoints import check_trained_as
+            from gnnlm.workdir.checkpoints import check_trained_as
 
             def class_path(key: str) -> str | None:
                 value = config.get(key)
@@ -157,7 +157,7 @@ def check_command_line(command: str, words: list[str]) -> None:
                          f"{', '.join([*COMMANDS, *LIGHTNING_COMMANDS])} (gnnlm --help).")
     files = config_files(words)
     if files:
-        from gnnlm.config import config_text
+        from gnnlm.pipeline.config import config_text
 
         for path in files:
             config_text(path)
@@ -174,8 +174,10 @@ def _command(module: str):
 
 
 # commands besides LightningCLI's fit/validate/test/predict
-COMMANDS = {"pipeline": _command("gnnlm.pipeline"), "sweep": _command("gnnlm.sweep"),
-            "explain": _command("gnnlm.explain"), "verify": _command("gnnlm.verify")}
+COMMANDS = {"pipeline": _command("gnnlm.pipeline.stages"),
+            "sweep": _command("gnnlm.pipeline.sweep"),
+            "explain": _command("gnnlm.pipeline.explain"),
+            "verify": _command("gnnlm.workdir.verify")}
 
 
 def error_line(err: BaseException) -> str:

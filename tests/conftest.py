@@ -44,7 +44,7 @@ def wikitext_root() -> Path:
 @pytest.fixture(scope="session")
 def wikitext_tokens(wikitext_root, tmp_path_factory):
     """The whole of WikiText-2, word level, tokenized once per session."""
-    from gnnlm.tokens import build_tokens
+    from gnnlm.text.tokens import build_tokens
 
     return build_tokens(tmp_path_factory.mktemp("wt2") / "tokens", "wikitext-2",
                         data_dir=str(wikitext_root))

@@ -8,8 +8,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from gnnlm.artifacts import ArtifactBuilder
 from gnnlm.cli import main
+from gnnlm.workdir.artifacts import ArtifactBuilder
 
 
 def write_features(path, final, att=None, targets=None, lm_logprob=None,

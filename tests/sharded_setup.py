@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from gnnlm.datastore import build_features
 from gnnlm.models.gpt import GPT, GPTConfig
-from gnnlm.neighbors import NeighborsConfig, build_neighbors
-from gnnlm.tokens import TokenizerConfig, TokenStore, build_tokens
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.features import build_features
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
+from gnnlm.text.tokens import TokenizerConfig, TokenStore, build_tokens
+from gnnlm.workdir.layout import Workdir
 
 CONTEXT, STRIDE = 64, 32
 TRAIN_TOKENS = 4000          # the slice: 124 windows, 16 chunks of 8 windows

@@ -11,19 +11,19 @@ import fakes
 import numpy as np
 import pytest
 
-from gnnlm.ablations import (
+from gnnlm.pipeline.ablations import (
     ABLATIONS_VERSION,
     AblationStage,
     Evaluator,
     outdated,
     run_ablations,
 )
-from gnnlm.artifacts import ArtifactBuilder
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.knn_cache import build_knn_cache
-from gnnlm.neighbors import NeighborsConfig, build_neighbors
-from gnnlm.search import rescore
-from gnnlm.workdir import EVAL_SPLITS, Workdir
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.knn_cache import build_knn_cache
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
+from gnnlm.retrieval.search import rescore
+from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
 
 GRID = ([4, 16, 32], [0.05, 0.1, 0.3, 1.0], [0.0, 0.1, 0.25, 0.5])
 STAGE = AblationStage(enabled=True, eval_tokens=200, metrics=["cos", "l2"], subsample=[0.5, 1.0],

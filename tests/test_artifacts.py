@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from gnnlm.artifacts import (
+from gnnlm.workdir.artifacts import (
     ArtifactBuilder,
     ArtifactError,
     check_inputs,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from fakes import save_lm_checkpoint
 
-from gnnlm.checkpoints import CheckpointError, datamodule_args, load_checkpoint, model_state
-from gnnlm.graph import GraphConfig
-from gnnlm.tokens import TokenizerConfig
+from gnnlm.gnn.graph import GraphConfig
+from gnnlm.text.tokens import TokenizerConfig
+from gnnlm.workdir.checkpoints import CheckpointError, datamodule_args, load_checkpoint, model_state
 
 
 class ShellPayload:

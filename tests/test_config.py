@@ -1,4 +1,4 @@
-"""gnnlm.config: settings are checked when a pipeline config loads, before any work."""
+"""gnnlm.pipeline.config: settings are checked when a pipeline config loads, before any work."""
 from __future__ import annotations
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 from conftest import CPU
 
-from gnnlm.config import load_config, merged_yaml
+from gnnlm.pipeline.config import load_config, merged_yaml
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 

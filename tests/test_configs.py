@@ -11,7 +11,7 @@ import yaml
 from conftest import REPO, data_dir
 
 from gnnlm.cli import GnnlmCLI
-from gnnlm.config import load_config, yaml_list
+from gnnlm.pipeline.config import load_config, yaml_list
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 

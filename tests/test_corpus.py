@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from gnnlm.corpus import CorpusNotFoundError, locate_corpus
+from gnnlm.text.corpus import CorpusNotFoundError, locate_corpus
 
 
 def make_corpus(folder, names=("train.txt", "valid.txt", "test.txt")):

@@ -12,12 +12,12 @@ import torch
 from fakes import write_features, write_output_embedding
 from torch.utils.data import DataLoader
 
-from gnnlm.artifacts import ArtifactError, open_array
-from gnnlm.graph import GraphConfig
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.neighbors import NeighborsConfig, build_neighbors, neighbor_values
-from gnnlm.pq import PQConfig, PQFeatures, build_pq
-from gnnlm.workdir import Workdir
+from gnnlm.gnn.graph import GraphConfig
+from gnnlm.gnn.pq import PQConfig, PQFeatures, build_pq
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, neighbor_values
+from gnnlm.workdir.artifacts import ArtifactError, open_array
+from gnnlm.workdir.layout import Workdir
 
 SIZES = {"train": 600, "valid": 170, "test": 130}
 D, V, K, W = 16, 20, 8, 4
@@ -212,7 +212,7 @@ def test_a_leakage_window_of_zero_masks_no_train_graph(work, tmp_path):
     module's ``leakage_window=0``: the no-masking ablation, so train graphs drop and replace
     nothing and the module records masking as off."""
     from datamodules.graph import GraphDataModule
-    from gnnlm.graph import build_graph
+    from gnnlm.gnn.graph import build_graph
 
     wd = work[0]
     unmasked = Workdir(tmp_path / "unmasked")

@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.artifacts import ArtifactError, open_array
-from gnnlm.datastore import (
+from gnnlm.models.encode import sliding_windows, stream_tensor
+from gnnlm.models.gpt import GPT, GPTConfig
+from gnnlm.retrieval.features import (
     build_all_features,
     build_features,
     build_output_embedding,
     load_output_embedding,
     open_features,
 )
-from gnnlm.encode import sliding_windows, stream_tensor
-from gnnlm.models.gpt import GPT, GPTConfig
-from gnnlm.tokens import build_tokens
-from gnnlm.workdir import SPLITS, Workdir
+from gnnlm.text.tokens import build_tokens
+from gnnlm.workdir.artifacts import ArtifactError, open_array
+from gnnlm.workdir.layout import SPLITS, Workdir
 
 CONTEXT, STRIDE = 16, 6
 
@@ -50,7 +50,7 @@ def build(model, store, wd, split="valid", **kw):
 
 def reference(model, store, split):
     """final, att and log p(target) of every position from plain forward passes, one window
-    at a time (the sliding-window protocol of gnnlm.encode)."""
+    at a time (the sliding-window protocol of gnnlm.models.encode)."""
     tokens = np.asarray(store.split(split), dtype=np.int64)
     stream = stream_tensor(tokens, store.bos_id)
     n = len(tokens)

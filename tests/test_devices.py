@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gnnlm.devices import check_device, faiss_device, faiss_has_gpu, torch_device
+from gnnlm.utils.devices import check_device, faiss_device, faiss_has_gpu, torch_device
 
 
 def test_torch_device():

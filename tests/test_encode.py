@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.encode import encode_windows, sliding_windows
+from gnnlm.models.encode import encode_windows, sliding_windows
 from gnnlm.models.gpt import GPT, GPTConfig
 
 

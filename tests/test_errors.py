@@ -11,12 +11,12 @@ import pytest
 from conftest import CPU, LM
 from fakes import error_of, save_lm_checkpoint, write_corpus, write_features
 
-from gnnlm.artifacts import ArtifactBuilder, read_manifest
 from gnnlm.cli import main
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.knn_cache import build_knn_cache
-from gnnlm.neighbors import NeighborsConfig, build_neighbors
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.knn_cache import build_knn_cache
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
+from gnnlm.workdir.artifacts import ArtifactBuilder, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 

@@ -146,7 +146,7 @@ def test_explain_on_an_unbuilt_work_directory_names_the_pipeline_and_creates_not
     assert error_of(["explain", *CPU, "--text", "In 2000 Boulter had", f"--workdir={wd}",
                      "--top=2"], capsys) == (
         f"gnnlm explain: error: `gnnlm explain` reads what `gnnlm pipeline` builds, and "
-        f"{wd}/heads/base_lm is not built yet: run `gnnlm pipeline -c "
+        f"{wd}/models/base_lm is not built yet: run `gnnlm pipeline -c "
         f"configs/wikitext2/pipeline.yaml -c configs/wikitext2/pipeline_cpu.yaml "
         f"--workdir={wd}` first (the same configs), then `gnnlm explain` again.")
     assert not wd.exists()

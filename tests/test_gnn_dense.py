@@ -1,4 +1,4 @@
-"""gnnlm.gnn_dense: the dense layout computes exactly what GNNLMConv's message passing does,
+"""gnnlm.gnn.dense: the dense layout computes exactly what GNNLMConv's message passing does,
 on batches of real-shaped retrieval graphs (clipped and short windows, missing neighbours,
 nodes dropped for leakage, a short last block), forward and backward, for every option."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from gnnlm.gnn_dense import to_dense
-from gnnlm.gnn_layer import GNNStack
-from gnnlm.graph import METADATA, GraphConfig, build_graph
+from gnnlm.gnn.dense import to_dense
+from gnnlm.gnn.graph import METADATA, GraphConfig, build_graph
+from gnnlm.gnn.layer import GNNStack
 
 D_MODEL = 16
 

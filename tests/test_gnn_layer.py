@@ -1,4 +1,4 @@
-"""gnnlm.gnn_layer: GNNLMConv against a dense reference of eq. 1–4, identity start, gradients,
+"""gnnlm.gnn.layer: GNNLMConv against a dense reference of eq. 1–4, identity start, gradients,
 node types that survive every layer, and the HGTConv wrapper."""
 import math
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from gnnlm.gnn_layer import GNNLMConv, GNNStack, HGTLayer
-from gnnlm.graph import METADATA, GraphConfig, build_graph
+from gnnlm.gnn.graph import METADATA, GraphConfig, build_graph
+from gnnlm.gnn.layer import GNNLMConv, GNNStack, HGTLayer
 
 C, H = 8, 2
 

@@ -1,4 +1,4 @@
-"""gnnlm.graph: exact edge sets on a hand-worked block, the leakage rule (checked against a loop
+"""gnnlm.gnn.graph: exact edge sets on a hand-worked block, the leakage rule (checked against a loop
 reference and by reachability over the graph's edges), the reference topology, batching."""
 from collections import deque
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from gnnlm.graph import (
+from gnnlm.gnn.graph import (
     CTX_INTRA,
     EDGE_TYPES,
     METADATA,

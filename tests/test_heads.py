@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from gnnlm.heads import MultiEmbeddingSoftmax, SpalmGate
+from gnnlm.models.multi_embedding import MultiEmbeddingSoftmax
+from gnnlm.spalm.gate import SpalmGate
 
 
 @pytest.fixture

@@ -12,10 +12,10 @@ import pytest
 import torch
 from families import FAMILIES, build_family, save_family, train_bpe
 
-from gnnlm.encode import sliding_windows
 from gnnlm.models import load_base_lm
+from gnnlm.models.encode import sliding_windows
 from gnnlm.models.hf import KEY_PATHS, HFCausalLM, find_module
-from gnnlm.tokens import HFTokenizer
+from gnnlm.text.tokens import HFTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_bias_and_soft_capping_are_part_of_the_logits(bpe):
     assert reference.abs().max() < 0.1 < uncapped.abs().max()
     torch.testing.assert_close(gemma2.logits(final), reference, rtol=1e-5, atol=1e-5)
     # heads that start as the base LM (SPALM's gate at g = 1) apply the same cap after W
-    from gnnlm.heads import SpalmGate
+    from gnnlm.spalm.gate import SpalmGate
 
     h = final[0]
     gated, _ = SpalmGate(32)(h, torch.full((16, 4), -1), *gemma2.output_embedding(),
@@ -193,8 +193,8 @@ GNN_FAMILIES = ("gpt2", "gemma2")
 @pytest.mark.integration
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_the_pipeline_runs_end_to_end_on_each_family(name, bpe, corpus_slice, tmp_path):
-    from gnnlm.config import load_config
-    from gnnlm.pipeline import run
+    from gnnlm.pipeline.config import load_config
+    from gnnlm.pipeline.stages import run
 
     family = FAMILIES[name]
     folder = save_family(family, bpe, tmp_path / name)
@@ -227,7 +227,7 @@ def test_the_pipeline_runs_end_to_end_on_each_family(name, bpe, corpus_slice, tm
 def assert_log_probabilities_are_the_model_s_own(work, manifest, folder, family):
     """The pipeline's ``log p_LM(target)`` against ``model(input_ids).logits`` on the same
     windows, built here from the tokens: [BOS] + the stream where the family opens with BOS."""
-    from gnnlm.artifacts import open_array, read_manifest
+    from gnnlm.workdir.artifacts import open_array, read_manifest
 
     tokens_manifest = read_manifest(work / "tokens")
     tokens = np.asarray(open_array(work / "tokens", "valid", tokens_manifest), dtype=np.int64)
@@ -253,9 +253,9 @@ def assert_log_probabilities_are_the_model_s_own(work, manifest, folder, family)
 def test_the_readme_llama_config_runs_its_first_stages(bpe, corpus_slice, tmp_path):
     """configs/hf/llama.yaml as written, with a tiny Llama in place of the real one (and its
     smaller context): the paths, dtype and tokenizer it names are what the stages use."""
-    from gnnlm.config import load_config
-    from gnnlm.pipeline import stage_base_lm, stage_features
-    from gnnlm.workdir import Workdir
+    from gnnlm.pipeline.config import load_config
+    from gnnlm.pipeline.stages import stage_base_lm, stage_features
+    from gnnlm.workdir.layout import Workdir
 
     as_written = load_config(["-c", "configs/hf/llama.yaml"])
     assert as_written.base_lm.keys == KEY_PATHS["llama"]
@@ -275,9 +275,9 @@ def test_the_readme_llama_config_runs_its_first_stages(bpe, corpus_slice, tmp_pa
 
 def test_a_corpus_tokenized_with_another_vocabulary_is_refused(bpe, corpus_slice, tmp_path):
     """Same size, other tokens: the ids would mean other words to the model."""
-    from gnnlm.config import load_config
-    from gnnlm.pipeline import stage_base_lm
-    from gnnlm.workdir import Workdir
+    from gnnlm.pipeline.config import load_config
+    from gnnlm.pipeline.stages import stage_base_lm
+    from gnnlm.workdir.layout import Workdir
 
     folder = save_family(FAMILIES["gpt2"], bpe, tmp_path / "gpt2")
     other = train_bpe((corpus_slice / "valid.txt").read_text())        # 512 other tokens
@@ -300,9 +300,9 @@ def test_a_corpus_tokenized_with_another_vocabulary_is_refused(bpe, corpus_slice
 def test_a_context_beyond_the_model_s_is_refused(bpe, corpus_slice, tmp_path):
     from dataclasses import replace
 
-    from gnnlm.config import load_config
-    from gnnlm.pipeline import stage_base_lm, stage_features
-    from gnnlm.workdir import Workdir
+    from gnnlm.pipeline.config import load_config
+    from gnnlm.pipeline.stages import stage_base_lm, stage_features
+    from gnnlm.workdir.layout import Workdir
 
     folder = save_family(FAMILIES["llama"], bpe, tmp_path / "llama")
     args = ["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",

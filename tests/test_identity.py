@@ -10,8 +10,8 @@ import pytest
 from fakes import write_corpus
 from families import FAMILIES, save_family, train_bpe
 
-from gnnlm.artifacts import ArtifactBuilder, ArtifactError, fingerprint, read_manifest
-from gnnlm.workdir import Workdir
+from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, fingerprint, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 # One file of a tiny `gnnlm fit` run (two steps of a one-layer LM on a few lines).
 TINY = """\
@@ -85,8 +85,8 @@ pytestmark = pytest.mark.usefixtures("in_repo")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny LM trained once by ``fit_with_cli`` into ``heads/lm``: (folder, the YAML)."""
-    from gnnlm.runner import fit_with_cli
+    """A tiny LM trained once by ``fit_with_cli`` into ``models/lm``: (folder, the YAML)."""
+    from gnnlm.pipeline.runner import fit_with_cli
 
     root = tmp_path_factory.mktemp("trained")
     corpus = write_corpus(root / "corpus", train="the cat sat on the mat\n" * 40)
@@ -109,10 +109,10 @@ def work(trained, tmp_path):
 
 
 def test_comments_key_order_and_an_overlay_split_reuse_the_trained_part(work, capsys):
-    from gnnlm.runner import fit_with_cli
+    from gnnlm.pipeline.runner import fit_with_cli
 
     wd, yaml_file, split = work
-    before = read_manifest(wd.head("lm"))
+    before = read_manifest(wd.model("lm"))
     commented = wd.root.parent / "commented.yaml"
     commented.write_text("# a comment added later\n" + yaml_file.read_text().replace(
         "max_steps: 2", "max_steps: 2     # two steps"))
@@ -125,20 +125,20 @@ def test_comments_key_order_and_an_overlay_split_reuse_the_trained_part(work, ca
 
 
 def test_a_changed_value_is_refused_naming_that_field(work):
-    from gnnlm.runner import fit_with_cli
+    from gnnlm.pipeline.runner import fit_with_cli
 
     wd, _, split = work
     overlay = wd.root.parent / "d_ff.yaml"
     overlay.write_text("model:\n  init_args:\n    d_ff: 32\n")
-    before = (wd.head("lm") / "manifest.json").read_text()
+    before = (wd.model("lm") / "manifest.json").read_text()
     with pytest.raises(ArtifactError) as err:
         fit_with_cli(wd, "lm", [*split, str(overlay)], {}, predict=False)
     assert str(err.value) == (
-        f"{wd.head('lm')} holds a trained_model made with other settings than this run asks for: "
+        f"{wd.model('lm')} holds a trained_model made with other settings than this run asks for: "
         f"config.values.model.init_args.d_ff: 16 → 32. Use another work directory, delete the "
         f"folder, or rerun with --rebuild.")
-    assert (wd.head("lm") / "manifest.json").read_text() == before
-    assert not wd.head("lm").with_name("lm.partial").exists()
+    assert (wd.model("lm") / "manifest.json").read_text() == before
+    assert not wd.model("lm").with_name("lm.partial").exists()
 
 
 def _as_recorded_before(path, config: dict) -> dict:
@@ -154,10 +154,10 @@ def _as_recorded_before(path, config: dict) -> dict:
 def test_a_trained_part_recorded_with_its_yaml_texts_is_reused_by_value(work, capsys):
     """Its fingerprint stays (the ablations record the memory LM's), so nothing downstream
     changes; texts of other values are refused naming the field, not quoting the texts."""
-    from gnnlm.runner import fit_with_cli
+    from gnnlm.pipeline.runner import fit_with_cli
 
     wd, yaml_file, split = work
-    old = _as_recorded_before(wd.head("lm"), {"name": "lm", "yaml": [yaml_file.read_text()]})
+    old = _as_recorded_before(wd.model("lm"), {"name": "lm", "yaml": [yaml_file.read_text()]})
     assert fit_with_cli(wd, "lm", split, {}, predict=False) == old
     assert "skipped (complete)" in capsys.readouterr().err
 
@@ -166,10 +166,10 @@ def test_a_trained_part_recorded_with_its_yaml_texts_is_reused_by_value(work, ca
     with pytest.raises(ArtifactError) as err:
         fit_with_cli(wd, "lm", [*split, str(overlay)], {}, predict=False)
     assert str(err.value) == (
-        f"{wd.head('lm')} holds a trained_model made with other settings than this run asks for: "
+        f"{wd.model('lm')} holds a trained_model made with other settings than this run asks for: "
         f"config.values.model.init_args.lr: (none) → 0.01. Use another work directory, delete "
         f"the folder, or rerun with --rebuild.")
-    assert read_manifest(wd.head("lm")) == old
+    assert read_manifest(wd.model("lm")) == old
 
 
 def test_a_long_difference_is_refused_in_one_short_line(tmp_path):
@@ -214,8 +214,8 @@ def hf_corpus(wikitext_root, tmp_path_factory):
 
 
 def _first_stages(folder, corpus, work, *extra):
-    from gnnlm.config import load_config
-    from gnnlm.pipeline import stage_base_lm, stage_features
+    from gnnlm.pipeline.config import load_config
+    from gnnlm.pipeline.stages import stage_base_lm, stage_features
 
     cfg = load_config(["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
                        f"--corpus.path={corpus}", f"--workdir={work}", "--gnn.config=null",
@@ -249,7 +249,7 @@ def test_a_copied_model_folder_rebuilds_nothing(hf_corpus, tmp_path, capsys):
 
 def test_tokens_recorded_with_the_tokenizer_s_path_are_reused_from_a_copy(hf_corpus, tmp_path):
     """Their fingerprint (which the features record) stays; another tokenizer is refused."""
-    from gnnlm.tokens import TokenizerConfig, build_tokens
+    from gnnlm.text.tokens import TokenizerConfig, build_tokens
 
     bpe = train_bpe((hf_corpus / "train.txt").read_text(), 300)
     folder = save_family(FAMILIES["gpt2"], bpe, tmp_path / "gpt2")

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from fakes import write_features
 
-from gnnlm.artifacts import ArtifactError
-from gnnlm.index import IndexConfig, auto_factory, build_index, pq_subquantizers
-from gnnlm.search import Searcher, exact_search, recall_at
-from gnnlm.tuning import measured_recall
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.index import IndexConfig, auto_factory, build_index, pq_subquantizers
+from gnnlm.retrieval.search import Searcher, exact_search, recall_at
+from gnnlm.retrieval.tuning import measured_recall
+from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.workdir.layout import Workdir
 
 
 def clustered(n=20000, d=64, centres=200, rank=8, seed=0):

@@ -19,15 +19,15 @@ import torch
 from conftest import CPU, REPO
 from fakes import error_of, write_features
 
-from gnnlm import artifacts
-from gnnlm.artifacts import ArtifactBuilder, ArtifactError, read_manifest, write_json_atomic
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.knn_cache import build_knn_cache
-from gnnlm.lock import LOCK_FILE, WorkdirBusy, lock_workdir
-from gnnlm.metrics import check_finite
-from gnnlm.neighbors import NeighborsConfig, build_neighbors
-from gnnlm.runner import head_logprobs
-from gnnlm.workdir import Workdir
+from gnnlm.pipeline.runner import head_logprobs
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.knn_cache import build_knn_cache
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
+from gnnlm.utils.metrics import check_finite
+from gnnlm.workdir import artifacts
+from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, read_manifest, write_json_atomic
+from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.lock import LOCK_FILE, WorkdirBusy, lock_workdir
 
 CHANGED = "changed after it was built (a disk fault, a copy cut short, or an edit)."
 
@@ -237,17 +237,17 @@ def test_features_with_an_inf_stop_the_cache_build(tmp_path):
 
 def test_a_head_s_nan_score_is_refused(tmp_path):
     wd = Workdir(tmp_path / "w")
-    builder = ArtifactBuilder(wd.head("gnn"), kind="trained_model")
+    builder = ArtifactBuilder(wd.model("gnn"), kind="trained_model")
     with builder:
         builder.array("test_logprob", np.float32, (5,))[...] = [-1, -2, np.nan, -1, -1]
         builder.finish()
     with pytest.raises(ValueError) as caught:
         head_logprobs(wd, "gnn", "test")
-    file = wd.head("gnn") / "test_logprob.bin"
+    file = wd.model("gnn") / "test_logprob.bin"
     assert str(caught.value) == (
         f"{file} is not finite at position 2 (nan): the file changed after it was written, or "
         f"was written before such values were refused. Rerun with --rebuild=[gnn] or delete "
-        f"{wd.head('gnn')}.")
+        f"{wd.model('gnn')}.")
 
 
 @pytest.mark.filterwarnings("ignore:.*LeafSpec")  # Lightning's, silenced by `gnnlm` itself
@@ -255,7 +255,7 @@ def test_a_head_that_predicts_nan_is_refused():
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
-    from gnnlm.runner import predict_logprobs
+    from gnnlm.pipeline.runner import predict_logprobs
 
     class Scores(pl.LightningModule):
         def __init__(self):
@@ -282,9 +282,9 @@ def test_a_head_that_predicts_nan_is_refused():
 
 
 def test_a_base_lm_that_gives_nan_stops_the_features_build(tmp_path):
-    from gnnlm.datastore import build_features
     from gnnlm.models.gpt import GPT, GPTConfig
-    from gnnlm.tokens import build_tokens
+    from gnnlm.retrieval.features import build_features
+    from gnnlm.text.tokens import build_tokens
 
     corpus = tmp_path / "tiny"
     corpus.mkdir()
@@ -308,7 +308,7 @@ def test_a_base_lm_that_gives_nan_stops_the_features_build(tmp_path):
 # -- one run per work directory ---------------------------------------------------------------
 HOLD = textwrap.dedent("""
     import sys, time
-    from gnnlm.lock import lock_workdir
+    from gnnlm.workdir.lock import lock_workdir
     lock = lock_workdir(sys.argv[1], sys.argv[2], shared=sys.argv[3] == "shared")
     print("held", flush=True)
     time.sleep(120)
@@ -360,11 +360,11 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
 def test_a_process_the_holder_starts_works_under_its_lock(tmp_path):
     """Lightning's DDP launcher runs the same command again for ranks 1..N-1."""
     root = tmp_path / "w"
-    child = ("import sys; from gnnlm.lock import lock_workdir; "
+    child = ("import sys; from gnnlm.workdir.lock import lock_workdir; "
              "lock_workdir(sys.argv[1], 'pipeline'); print('rank 1 runs')")
     parent = textwrap.dedent(f"""
         import subprocess, sys
-        from gnnlm.lock import lock_workdir
+        from gnnlm.workdir.lock import lock_workdir
         lock = lock_workdir(sys.argv[1], "pipeline")
         out = subprocess.run([sys.executable, "-c", {child!r}, sys.argv[1]],
                              capture_output=True, text=True)

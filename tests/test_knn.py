@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.knn import (
+from gnnlm.retrieval.knn import (
     DEFAULT_KS,
     DEFAULT_LAMBDAS,
     base_perplexity,

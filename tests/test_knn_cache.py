@@ -9,10 +9,9 @@ import fakes
 import numpy as np
 import pytest
 
-from gnnlm.artifacts import ArtifactError
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.knn import evaluate, sweep
-from gnnlm.knn_cache import (
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.knn import evaluate, sweep
+from gnnlm.retrieval.knn_cache import (
     SEARCH_FACTS,
     build_knn_cache,
     check_scores,
@@ -21,8 +20,9 @@ from gnnlm.knn_cache import (
     open_knn_cache,
     search_facts,
 )
-from gnnlm.neighbors import NeighborsConfig, build_neighbors, open_neighbors
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
+from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.workdir.layout import Workdir
 
 
 def write_features(path, final, targets, lm_logprob=None, **kw):

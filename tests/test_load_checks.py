@@ -9,8 +9,8 @@ import torch
 from conftest import CPU
 from fakes import error_of, save_lm_checkpoint
 
-import gnnlm.devices
-from gnnlm.config import load_config
+import gnnlm.utils.devices
+from gnnlm.pipeline.config import load_config
 
 # the CPU pipeline trains its base LM with these: context 128, 128 wide
 BASE_LM = ("configs/trainer/cpu.yaml + configs/wikitext2/base_lm.yaml + "
@@ -91,7 +91,7 @@ def test_a_graph_k_below_one_in_gnnlm_fit(tmp_path, capsys):
 @pytest.fixture
 def no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(gnnlm.devices, "faiss_has_gpu", lambda: False)
+    monkeypatch.setattr(gnnlm.utils.devices, "faiss_has_gpu", lambda: False)
 
 
 GPU_GNN = ["configs/trainer/gpu.yaml", *GNN[1:]]
@@ -132,7 +132,7 @@ def test_gpu_settings_are_checked_by_availability(monkeypatch):
     load_config([*CPU, *gpu_flags])                                    # without machine checks
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(gnnlm.devices, "faiss_has_gpu", lambda: True)
+    monkeypatch.setattr(gnnlm.utils.devices, "faiss_has_gpu", lambda: True)
     cfg = load_config([*CPU[:2], *gpu_flags], machine=True)
     assert cfg.features.device == cfg.index.device == "cuda"
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.metrics import (
+from gnnlm.utils.metrics import (
     TokenNLL,
     bits_per_token,
     perplexity,

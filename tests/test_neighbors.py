@@ -5,9 +5,8 @@ import fakes
 import numpy as np
 import pytest
 
-from gnnlm.artifacts import ArtifactError
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.neighbors import (
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.neighbors import (
     NeighborsConfig,
     build_neighbors,
     mask_leakage,
@@ -15,7 +14,8 @@ from gnnlm.neighbors import (
     neighbor_values,
     open_neighbors,
 )
-from gnnlm.workdir import Workdir
+from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.workdir.layout import Workdir
 
 
 def write_features(path, final, lm=("fake-lm", "weights-a"), split="train", seed=0):

@@ -10,7 +10,7 @@ import shlex
 import pytest
 from conftest import REPO, run_gnnlm
 
-from gnnlm.checkpoints import datamodule_args, load_checkpoint
+from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
 
 EXAMPLE = "configs/examples/own_corpus/pipeline.yaml"
 
@@ -59,7 +59,7 @@ def test_the_own_corpus_example_runs_as_the_readme_says(wikitext_root, tmp_path)
     assert tokens["config"]["tokenizer"] == {"kind": "word", "max_vocab": 5000}
     # the base LM was trained on the user's folder (the pipeline's corpus section), and its
     # checkpoint records the vocabulary the datastore's tokens have
-    ckpt = work / "heads" / "base_lm" / "model.ckpt"
+    ckpt = work / "models" / "base_lm" / "model.ckpt"
     assert datamodule_args(ckpt)["corpus_path"] == str(corpus)
     saved = load_checkpoint(ckpt)["hyper_parameters"]["vocab_fingerprint"]
     assert saved == tokens["vocab_fingerprint"]

@@ -11,15 +11,15 @@ import pytest
 import torch
 from conftest import PIPELINE, run_gnnlm
 
-from gnnlm.ablations import row_label
-from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.datastore import build_features, open_features
-from gnnlm.knn_cache import search_facts
-from gnnlm.metrics import ppl_from_logprobs, unigram_logprobs
 from gnnlm.models import load_base_lm
-from gnnlm.protocols import layout
-from gnnlm.tokens import TokenStore
-from gnnlm.workdir import Workdir
+from gnnlm.models.protocols import layout
+from gnnlm.pipeline.ablations import row_label
+from gnnlm.retrieval.features import build_features, open_features
+from gnnlm.retrieval.knn_cache import search_facts
+from gnnlm.text.tokens import TokenStore
+from gnnlm.utils.metrics import ppl_from_logprobs, unigram_logprobs
+from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 pytestmark = pytest.mark.integration
 
@@ -192,7 +192,7 @@ def test_no_node_of_a_train_graph_has_read_a_target_it_reaches(workdir, results,
     ctx token it reaches. The same blocks built without the rule do leak (the check can fail),
     and the report carries the share the rule masked."""
     from datamodules.graph import GraphDataModule
-    from gnnlm.graph import GraphConfig, build_graph
+    from gnnlm.gnn.graph import GraphConfig, build_graph
 
     dm = GraphDataModule(workdir=str(workdir), key="final", metric="cos",
                          graph=GraphConfig(k=16, inter=inter))
@@ -216,7 +216,7 @@ def test_no_node_of_a_train_graph_has_read_a_target_it_reaches(workdir, results,
 
 
 def test_killed_features_build_resumes_to_the_same_bytes(workdir, tmp_path):
-    model = load_base_lm(str(workdir / "heads" / "base_lm" / "model.ckpt"))
+    model = load_base_lm(str(workdir / "models" / "base_lm" / "model.ckpt"))
     store = TokenStore.open(workdir / "tokens")
     done = read_manifest(Workdir(workdir).features("valid"))
     args = dict(context=done["config"]["context"], stride=done["config"]["stride"],
@@ -237,7 +237,7 @@ def test_killed_features_build_resumes_to_the_same_bytes(workdir, tmp_path):
 
 
 def test_a_datastore_made_by_another_base_lm_is_refused_naming_both(workdir, tmp_path):
-    model = load_base_lm(str(workdir / "heads" / "base_lm" / "model.ckpt"))
+    model = load_base_lm(str(workdir / "models" / "base_lm" / "model.ckpt"))
     with torch.no_grad():
         model.ln_f.bias.add_(0.1)
     model._fingerprint = None
@@ -255,7 +255,7 @@ def test_a_datastore_made_by_another_base_lm_is_refused_naming_both(workdir, tmp
 
 
 def test_k_larger_than_the_datastore_is_refused(workdir):
-    from gnnlm.search import Searcher
+    from gnnlm.retrieval.search import Searcher
 
     searcher = Searcher.for_workdir(Workdir(workdir), "final", "cos")
     with pytest.raises(ValueError, match=f"datastore size {searcher.ntotal}"):
@@ -323,7 +323,7 @@ def _validation_ppl(run_dir, workdir, devices: int) -> float:
              "configs/wikitext2/base_lm_cpu.yaml", "configs/tests/tiny_lm.yaml"]
     root = run_dir / f"validate{devices}"
     run_gnnlm(["validate", *(a for c in chain for a in ("-c", c)),
-               f"--ckpt_path={workdir / 'heads' / 'base_lm' / 'model.ckpt'}",
+               f"--ckpt_path={workdir / 'models' / 'base_lm' / 'model.ckpt'}",
                f"--trainer.devices={devices}", "--trainer.strategy=ddp" if devices > 1 else
                "--trainer.strategy=auto", "--trainer.limit_val_batches=null",
                "--data.init_args.eval_tokens=20010",  # 625 windows: uneven over 2 ranks

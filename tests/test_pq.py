@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from fakes import write_features
 
-from gnnlm.artifacts import ArtifactError, open_array, read_manifest
-from gnnlm.pq import (
+from gnnlm.gnn.pq import (
     PQConfig,
     PQFeatures,
     RawFeatures,
@@ -20,7 +19,8 @@ from gnnlm.pq import (
     codec_factory,
     held_out_sample,
 )
-from gnnlm.workdir import Workdir
+from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 N, D = 3000, 32
 

@@ -1,7 +1,7 @@
 """Console progress of long stages: plain lines when redirected, silence when asked."""
 from __future__ import annotations
 
-from gnnlm.progress import Progress, say, track
+from gnnlm.utils.progress import Progress, say, track
 
 
 def test_track_yields_the_chunks_left_and_stops_when_asked():

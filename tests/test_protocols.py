@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from gnnlm import protocols
-from gnnlm.encode import sliding_windows
+from gnnlm.models import protocols
+from gnnlm.models.encode import sliding_windows
 
 
 def _window_reference(n: int, context: int, stride: int) -> np.ndarray:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gnnlm import protocols
-from gnnlm.report import recall_buckets, row_name
+from gnnlm.models import protocols
+from gnnlm.pipeline.report import recall_buckets, row_name
 
 
 def test_recall_buckets_never_split_a_recall_value():
@@ -49,7 +49,7 @@ def test_row_names():
 
 
 def test_the_report_names_the_base_lm_and_lists_k_in_numeric_order():
-    from gnnlm.report import _markdown
+    from gnnlm.pipeline.report import _markdown
 
     results = {
         "name": "run", "dataset": "corpus", "tokens": 1000, "protocol": "sliding window",
@@ -90,7 +90,7 @@ def _segment_and_window_results() -> dict:
 def test_rows_scored_differently_are_in_separate_tables_each_headed_by_its_protocol():
     """The segment models (cold-start streams, memory) and the sliding-window rows used to
     share one table under a header naming the sliding window for all of them."""
-    from gnnlm.report import _markdown
+    from gnnlm.pipeline.report import _markdown
 
     text = _markdown(_segment_and_window_results())
     window, segments = text.split("Scored with sliding windows")[1].split("Scored as contiguous")
@@ -109,7 +109,7 @@ def test_rows_scored_differently_are_in_separate_tables_each_headed_by_its_proto
 
 
 def test_row_protocols_of_heads_interpolations_and_old_manifests():
-    from gnnlm.report import row_protocols
+    from gnnlm.pipeline.report import row_protocols
 
     window = protocols.sliding_window(128, 64)
     xl = protocols.segments(128, 16, 128)
@@ -126,7 +126,7 @@ def test_row_protocols_of_heads_interpolations_and_old_manifests():
 def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used():
     """Not the index's tuned setting: the neighbours may have been searched exactly, or with
     another nprobe / re-ranking; and the recall at the neighbours' depth K, when measured."""
-    from gnnlm.report import _retrieval_facts, _retrieval_line
+    from gnnlm.pipeline.report import _retrieval_facts, _retrieval_line
 
     table = [{"nprobe": 4, "rerank": 1.0, "depth": 128, "recall@10": 0.93, "recall@100": 0.82,
               "recall@128": 0.8, "queries_per_s": 900.0, "gpu_ok": True},

@@ -1,5 +1,5 @@
-"""The report's data checks (gnnlm.data_checks): the share of unknown tokens, near-copies of the
-query's text among the datastore's top-1 neighbours, heads worse than the base LM, and the
+"""The report's data checks (gnnlm.pipeline.data_checks): the share of unknown tokens, near-copies
+of the query's text among the datastore's top-1 neighbours, heads worse than the base LM, and the
 warnings results.md and the printed table give for them."""
 from __future__ import annotations
 
@@ -7,11 +7,18 @@ import numpy as np
 import pytest
 from fakes import write_corpus, write_features
 
-from gnnlm import data_checks, protocols
-from gnnlm.artifacts import ArtifactBuilder
-from gnnlm.report import _markdown, print_table, rows_on_the_base_lm
-from gnnlm.tokens import CharTokenizer, HFTokenizer, TokenizerConfig, WordTokenizer, build_tokens
-from gnnlm.workdir import Workdir
+from gnnlm.models import protocols
+from gnnlm.pipeline import data_checks
+from gnnlm.pipeline.report import _markdown, print_table, rows_on_the_base_lm
+from gnnlm.text.tokens import (
+    CharTokenizer,
+    HFTokenizer,
+    TokenizerConfig,
+    WordTokenizer,
+    build_tokens,
+)
+from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.layout import Workdir
 
 
 def test_unknown_share_of_a_word_vocabulary_cut_by_max_vocab():

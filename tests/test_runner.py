@@ -11,7 +11,7 @@ import torch
 def test_pipeline_keeps_the_best_monitored_weights(tmp_path, monitor):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from gnnlm.runner import restore_best_weights
+    from gnnlm.pipeline.runner import restore_best_weights
 
     best, last = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     torch.save({"state_dict": best.state_dict()}, tmp_path / "best.ckpt")
@@ -44,7 +44,7 @@ def test_a_checkpoint_written_by_the_trainer_restores_the_best_weights(tmp_path)
     from torch.utils.data import DataLoader
 
     from gnnlm.lit.lm import LanguageModel
-    from gnnlm.runner import load_language_model, restore_best_weights
+    from gnnlm.pipeline.runner import load_language_model, restore_best_weights
 
     torch.manual_seed(0)
     model = LanguageModel(vocab_size=30, context_length=8, n_layer=1, n_head=2, d_model=16,
@@ -72,9 +72,9 @@ def test_a_checkpoint_written_by_the_trainer_restores_the_best_weights(tmp_path)
 def test_a_head_records_the_protocol_it_was_scored_with(tmp_path):
     """Segment models say their segments, streams and memory (the data module's own); heads
     that score the datastore's positions read its sliding windows (the features' manifest)."""
-    from gnnlm.artifacts import ArtifactBuilder
-    from gnnlm.runner import scoring_protocol
-    from gnnlm.workdir import Workdir
+    from gnnlm.pipeline.runner import scoring_protocol
+    from gnnlm.workdir.artifacts import ArtifactBuilder
+    from gnnlm.workdir.layout import Workdir
 
     wd = Workdir(tmp_path)
     builder = ArtifactBuilder(wd.features("test"), kind="features",

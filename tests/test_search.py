@@ -9,8 +9,8 @@ import pytest
 import torch
 from fakes import write_features
 
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.search import (
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.search import (
     GPU_MAX_K,
     Searcher,
     candidate_width,
@@ -24,7 +24,7 @@ from gnnlm.search import (
     set_nprobe,
     similarity,
 )
-from gnnlm.workdir import Workdir
+from gnnlm.workdir.layout import Workdir
 
 pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 

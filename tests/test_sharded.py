@@ -1,7 +1,8 @@
-"""Sharded builds: the chunk bookkeeping of gnnlm.shards, the process counts of gnnlm.ranks, and
-features and neighbours of a WikiText-2 slice built by one process and by two (gloo on CPU,
-run by tests/sharded_build.py in its own process): the same bytes in every array file and the
-same fingerprints, also when a build stopped on one process count is resumed on the other."""
+"""Sharded builds: the chunk bookkeeping of gnnlm.workdir.shards, the process counts of
+gnnlm.workdir.ranks, and features and neighbours of a WikiText-2 slice built by one process and by
+two (gloo on CPU, run by tests/sharded_build.py in its own process): the same bytes in every array
+file and the same fingerprints, also when a build stopped on one process count is resumed on the
+other."""
 from __future__ import annotations
 
 import json
@@ -18,15 +19,15 @@ import pytest
 import sharded_setup as setup
 import torch
 
-from gnnlm.artifacts import ArtifactBuilder, read_manifest
-from gnnlm.encode import sliding_windows
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.multi_gpu import shard_over_gpus
-from gnnlm.neighbors import NeighborsConfig, build_neighbors
-from gnnlm.ranks import Rank, resolve_devices
-from gnnlm.search import Searcher
-from gnnlm.shards import ShardedJob, deal, done_chunks, totals
-from gnnlm.workdir import Workdir
+from gnnlm.models.encode import sliding_windows
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.multi_gpu import shard_over_gpus
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
+from gnnlm.retrieval.search import Searcher
+from gnnlm.workdir.artifacts import ArtifactBuilder, read_manifest
+from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.ranks import Rank, resolve_devices
+from gnnlm.workdir.shards import ShardedJob, deal, done_chunks, totals
 
 SCRIPT = Path(__file__).with_name("sharded_build.py")
 
@@ -242,7 +243,7 @@ def test_neighbours_stopped_on_two_processes_resume_on_one(reference, tokens_dir
 
 
 def test_a_sharded_gpu_index_needs_faiss_gpu(reference, tmp_path):
-    from gnnlm.devices import faiss_has_gpu
+    from gnnlm.utils.devices import faiss_has_gpu
 
     if faiss_has_gpu():
         pytest.skip("this faiss has GPU support")

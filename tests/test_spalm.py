@@ -1,6 +1,6 @@
-"""SPALM trained end to end (gnnlm.spalm, gnnlm.lit.spalm, datamodules.spalm): W learns through
-every path, the gate at 1 is Transformer-XL, memory flows between segments, the data partitions
-every split with the right neighbour values, and the analyses count tokens."""
+"""SPALM trained end to end (gnnlm.spalm.model, gnnlm.lit.spalm, datamodules.spalm): W learns
+through every path, the gate at 1 is Transformer-XL, memory flows between segments, the data
+partitions every split with the right neighbour values, and the analyses count tokens."""
 from __future__ import annotations
 
 import json
@@ -12,14 +12,14 @@ import pytest
 import torch
 from fakes import save_lm_checkpoint, write_features
 
-from gnnlm.artifacts import ArtifactBuilder, open_array
-from gnnlm.index import IndexConfig, build_index
-from gnnlm.metrics import target_nll
 from gnnlm.models.gpt import GPT, GPTConfig
-from gnnlm.neighbors import NeighborsConfig, build_neighbors, neighbor_values
-from gnnlm.spalm import Spalm
-from gnnlm.spalm_analysis import check_k_curve, frequency_buckets, gate_histogram, markdown
-from gnnlm.workdir import Workdir
+from gnnlm.retrieval.index import IndexConfig, build_index
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, neighbor_values
+from gnnlm.spalm.analysis import check_k_curve, frequency_buckets, gate_histogram, markdown
+from gnnlm.spalm.model import Spalm
+from gnnlm.utils.metrics import target_nll
+from gnnlm.workdir.artifacts import ArtifactBuilder, open_array
+from gnnlm.workdir.layout import Workdir
 
 V, D = 20, 16
 
@@ -103,7 +103,7 @@ def test_the_memory_scale_starts_at_the_norm_ratio_and_none_is_the_paper():
 def test_the_defaults_are_the_paper_s_equations_and_each_deviation_is_named():
     """SPALM eq. (§2): g_t = σ(W_g h_t), no bias; z_t = (1 − g_t) ⊙ m_t + g_t ⊙ h_t, m_t as it
     is. The learned bias and memory scale are options, reported in the row's label."""
-    from gnnlm.runner import predict_extras
+    from gnnlm.pipeline.runner import predict_extras
 
     gpt = _gpt().eval()
     paper = Spalm(gpt).eval()
@@ -129,7 +129,7 @@ def test_the_defaults_are_the_paper_s_equations_and_each_deviation_is_named():
 def test_head_logits_are_float32_under_bf16_autocast():
     """A bf16 trainer preset runs the model under autocast; the softmaxes over the vocabulary
     must still be float32, as the base LM's log-probabilities are."""
-    from gnnlm.heads import MultiEmbeddingSoftmax
+    from gnnlm.models.multi_embedding import MultiEmbeddingSoftmax
 
     gpt = _gpt().eval()
     spalm, plain = Spalm(gpt).eval(), Spalm(gpt, long_term=False).eval()
@@ -215,7 +215,7 @@ def _data(work, **kw):
 
 
 def test_data_partitions_every_split_with_its_neighbour_values(work):
-    from gnnlm.datastore import open_features
+    from gnnlm.retrieval.features import open_features
 
     wd = work[0]
     data = _data(work)
@@ -324,7 +324,7 @@ def test_memory_is_carried_from_one_batch_to_the_next_and_reset_per_pass(work):
 def test_fit_and_predict_give_every_token_its_gate_and_the_k_curve(work):
     import pytorch_lightning as pl
 
-    from gnnlm.runner import predict_extras, predict_logprobs
+    from gnnlm.pipeline.runner import predict_extras, predict_logprobs
 
     data = _data(work)
     model = _module(work, k_curve=[1, 2, 4, 8])
@@ -392,12 +392,12 @@ def test_k_curve_refuses_k_beyond_the_stored_neighbours():
 
 
 def test_report_section_reads_the_head_artifact(work, tmp_path):
-    from gnnlm.spalm_analysis import results_section
+    from gnnlm.spalm.analysis import results_section
 
     wd = work[0]
     rng = np.random.default_rng(0)
     n = {s: SIZES[s] for s in ("valid", "test")}
-    builder = ArtifactBuilder(wd.head("spalm_xl"), kind="trained_model",
+    builder = ArtifactBuilder(wd.model("spalm_xl"), kind="trained_model",
                               config={"name": "spalm_xl"}, rebuild=True)
     with builder:
         for split, size in n.items():

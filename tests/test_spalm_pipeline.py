@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gnnlm.artifacts import open_array, read_manifest
-from gnnlm.workdir import Workdir
+from gnnlm.workdir.artifacts import open_array, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +20,10 @@ def test_the_four_rows_score_every_token_of_the_same_splits(results, workdir):
     assert set(ROWS) <= set(results["ppl"]) and set(ROWS) <= set(results["valid_ppl"])
     for row in ROWS:
         for split in ("valid", "test"):
-            logprob = np.asarray(open_array(wd.head(row), f"{split}_logprob"))
+            logprob = np.asarray(open_array(wd.model(row), f"{split}_logprob"))
             assert len(logprob) == wd.n_positions(split) and np.all(logprob <= 0)
-    assert read_manifest(wd.head("spalm_xl"))["spalm"]["k"] == 16  # spalm_xl_cpu.yaml
-    assert read_manifest(wd.head("transformer_xl"))["model_class"] == "SpalmXL"
+    assert read_manifest(wd.model("spalm_xl"))["spalm"]["k"] == 16  # spalm_xl_cpu.yaml
+    assert read_manifest(wd.model("transformer_xl"))["model_class"] == "SpalmXL"
 
 
 def test_spalm_with_its_options_beats_transformer_xl_on_the_same_tokens(results):
@@ -38,7 +38,7 @@ def test_each_row_is_labelled_with_its_options_and_scored_by_its_protocol(result
     options; the segment rows are in their own table, each with its memory and left context."""
     assert "spalm_xl" not in results["deviations"]
     assert results["deviations"]["spalm_xl_variant"] == ["gate bias", "memory scale"]
-    spalm = read_manifest(Workdir(workdir).head("spalm_xl"))["spalm"]
+    spalm = read_manifest(Workdir(workdir).model("spalm_xl"))["spalm"]
     assert (spalm["gate_bias"], spalm["memory_scale"]) == (None, "none")
     segments = {"kind": "segments", "segment": 64, "streams": 16}
     assert results["protocols"]["transformer"] == {**segments, "memory": 0}

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from gnnlm.artifacts import ArtifactBuilder
-from gnnlm.knn import default_temperatures, evaluate, fit
-from gnnlm.sweep import run_sweep
+from gnnlm.pipeline.sweep import run_sweep
+from gnnlm.retrieval.knn import default_temperatures, evaluate, fit
+from gnnlm.workdir.artifacts import ArtifactBuilder
 
 
 def write_cache(path, n, K, seed, scores="faiss"):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from gnnlm.tokens import (
+from gnnlm.text.tokens import (
     CharTokenizer,
     HFTokenizer,
     TokenizerConfig,

@@ -13,8 +13,8 @@ from conftest import REPO
 from fakes import write_corpus
 from pytorch_lightning.callbacks import Callback
 
-from gnnlm import runner
-from gnnlm.workdir import Workdir
+from gnnlm.pipeline import runner
+from gnnlm.workdir.layout import Workdir
 
 STEPS = 24
 # A one-layer LM on a few hundred words: several epochs of 14 steps, validated every 8 steps
@@ -115,7 +115,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def state(root, name="lm"):
-    return torch.load(root / "work" / "heads" / name / "model.ckpt", map_location="cpu",
+    return torch.load(root / "work" / "models" / name / "model.ckpt", map_location="cpu",
                       weights_only=False)
 
 
@@ -124,7 +124,7 @@ def test_a_killed_fit_resumes_from_its_last_checkpoint(monkeypatch, tmp_path, un
     assert ref_steps == STEPS
     manifest, steps, said = fit(monkeypatch, tmp_path, kill_at=10)
     assert manifest is None and steps == 10
-    partial = tmp_path / "work" / "heads" / "lm.partial"
+    partial = tmp_path / "work" / "models" / "lm.partial"
     assert json.loads((partial / "progress.json").read_text())["progress"]["training"]
     resume = next((tmp_path / "work" / "logs" / "lm" / "resume").glob("*/last.ckpt"))
     assert torch.load(resume, weights_only=False)["global_step"] == 9  # saved before the kill
@@ -186,7 +186,7 @@ def test_training_that_hurts_keeps_the_initial_weights(monkeypatch, tmp_path, un
     assert initial and kept.keys() == initial.keys()
     for key, value in initial.items():
         assert torch.equal(kept[key], value), key
-    assert not (tmp_path / "work" / "heads" / "lm" / runner.INITIAL_WEIGHTS).exists()
+    assert not (tmp_path / "work" / "models" / "lm" / runner.INITIAL_WEIGHTS).exists()
 
 
 def test_validating_before_training_changes_nothing_the_fit_does(monkeypatch, tmp_path,

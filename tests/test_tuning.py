@@ -1,13 +1,13 @@
-"""The choice of search settings (``gnnlm.tuning``): measured at the neighbours' depth, within
-GPU faiss's limits, and read back for one setting by ``measured_recall``."""
+"""The choice of search settings (``gnnlm.retrieval.tuning``): measured at the neighbours' depth,
+within GPU faiss's limits, and read back for one setting by ``measured_recall``."""
 from __future__ import annotations
 
 import faiss
 import numpy as np
 import pytest
 
-from gnnlm.search import GPU_MAX_K, candidate_width
-from gnnlm.tuning import measured_recall, tune
+from gnnlm.retrieval.search import GPU_MAX_K, candidate_width
+from gnnlm.retrieval.tuning import measured_recall, tune
 
 pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 

@@ -15,11 +15,11 @@ from conftest import REPO
 from fakes import error_of, write_corpus
 from families import FAMILIES, save_family, train_bpe
 
-from gnnlm.checkpoints import load_checkpoint
-from gnnlm.config import load_config
-from gnnlm.pipeline import stage_base_lm, stage_tokens
-from gnnlm.tokens import HFTokenizer, TokenizerConfig, WordTokenizer, build_tokens
-from gnnlm.workdir import Workdir
+from gnnlm.pipeline.config import load_config
+from gnnlm.pipeline.stages import stage_base_lm, stage_tokens
+from gnnlm.text.tokens import HFTokenizer, TokenizerConfig, WordTokenizer, build_tokens
+from gnnlm.workdir.checkpoints import load_checkpoint
+from gnnlm.workdir.layout import Workdir
 
 CPU = ["-c", "configs/wikitext2/pipeline.yaml", "-c", "configs/wikitext2/pipeline_cpu.yaml",
        "--features.context=8", "--features.stride=4"]  # the tiny LM's context
@@ -76,7 +76,7 @@ def without_saved_corpus(fitted, name: str, drop_fingerprint: bool = False) -> s
     """The fitted checkpoint as if trained where its corpus is not found on this machine (its
     saved corpus path does not exist here), optionally without the vocabulary's fingerprint
     (a checkpoint written before it was recorded)."""
-    from gnnlm.checkpoints import plain_classes
+    from gnnlm.workdir.checkpoints import plain_classes
 
     with torch.serialization.safe_globals(plain_classes()):
         checkpoint = torch.load(fitted["ckpt"], weights_only=True)
@@ -170,7 +170,7 @@ def test_a_pipeline_corpus_other_than_the_trained_base_lm_s_is_refused_at_load(t
 def test_the_pipeline_s_corpus_is_what_its_base_lm_is_trained_on(tmp_path, monkeypatch):
     """A base LM config that names no corpus takes the pipeline's, passed to `gnnlm fit`; the
     tokens are built once, from the pipeline's section, and are an input of the trained LM."""
-    import gnnlm.pipeline as pipeline
+    import gnnlm.pipeline.stages as pipeline
 
     mine = write_corpus(tmp_path / "mine", train=CORPUS_B, valid=CORPUS_B, test=CORPUS_B)
     cfg = load_config(["-c", "configs/examples/own_corpus/pipeline.yaml",

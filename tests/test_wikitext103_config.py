@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from gnnlm.artifacts import open_array, read_manifest
-from gnnlm.config import load_config
-from gnnlm.pipeline import stage_base_lm, stage_features, stage_retrieval
-from gnnlm.workdir import Workdir
+from gnnlm.pipeline.config import load_config
+from gnnlm.pipeline.stages import stage_base_lm, stage_features, stage_retrieval
+from gnnlm.workdir.artifacts import open_array, read_manifest
+from gnnlm.workdir.layout import Workdir
 
 pytestmark = pytest.mark.integration
 
 
 def test_first_stages_of_the_wikitext103_config_on_a_slice(workdir, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    ckpt = workdir / "heads" / "base_lm" / "model.ckpt"   # the test pipeline's LM: no training
+    ckpt = workdir / "models" / "base_lm" / "model.ckpt"   # the test pipeline's LM: no training
     cfg = load_config(["-c", "configs/wikitext103/pipeline.yaml",
                        "-c", "configs/tests/wikitext103_slice.yaml",
                        f"--base_lm.ckpt={ckpt}", f"--workdir={tmp_path / 'w'}"])

@@ -1,4 +1,4 @@
-"""gnnlm.window_states: each retrieved window computed once gives what one window per retrieval
+"""gnnlm.gnn.window_states: each retrieved window computed once gives what one window per retrieval
 gives (``gnn_dense.conv_dense`` on ``build_graph`` blocks), for every layer option, with windows
 clipped at the split's edges, tokens with fewer than k neighbours, and windows shared by many
 tokens; the table is filled once per position and emptied when the weights change. On a
@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from gnnlm.artifacts import open_array, read_manifest
-from gnnlm.checkpoints import load_checkpoint
-from gnnlm.gnn_dense import DenseGraph, to_dense
-from gnnlm.gnn_layer import GNNStack
-from gnnlm.graph import METADATA, GraphConfig, build_context_graph, build_graph
+from gnnlm.gnn.dense import DenseGraph, to_dense
+from gnnlm.gnn.graph import METADATA, GraphConfig, build_context_graph, build_graph
+from gnnlm.gnn.layer import GNNStack
+from gnnlm.gnn.window_states import WindowStates
 from gnnlm.lit.gnn import GNNLM
-from gnnlm.window_states import WindowStates
-from gnnlm.workdir import Workdir
+from gnnlm.workdir.artifacts import open_array, read_manifest
+from gnnlm.workdir.checkpoints import load_checkpoint
+from gnnlm.workdir.layout import Workdir
 
 D_MODEL, N_TRAIN = 16, 200
 
@@ -182,7 +182,7 @@ def valid_logprobs(model: GNNLM, workdir: Workdir, eval_windows: str, k: int = 8
 
 
 def trained_gnn(workdir: Path) -> GNNLM:
-    checkpoint = load_checkpoint(workdir / "heads" / "gnn" / "model.ckpt")
+    checkpoint = load_checkpoint(workdir / "models" / "gnn" / "model.ckpt")
     model = GNNLM(**{k: v for k, v in checkpoint["hyper_parameters"].items()
                      if not k.startswith("_")})
     model.load_state_dict(checkpoint["state_dict"])
@@ -219,13 +219,13 @@ def test_every_layer_option_scores_the_same_on_wikitext(edited_workdir, inter, n
 
 @pytest.mark.integration
 def test_the_pipeline_scored_the_gnn_at_the_k_chosen_on_valid(workdir, results):
-    manifest = read_manifest(workdir / "heads" / "gnn")
+    manifest = read_manifest(workdir / "models" / "gnn")
     curve = {int(k): ppl for k, ppl in manifest["eval_k"]["valid_ppl"].items()}
     chosen = manifest["eval_k"]["chosen"]
     assert len(curve) == 3 and chosen == min(curve, key=curve.get)
     assert results["gnn_eval_k"]["chosen"] == chosen
     assert results["valid_ppl"]["gnn"] == pytest.approx(curve[chosen], rel=1e-9)
-    stored = np.asarray(open_array(workdir / "heads" / "gnn", "valid_logprob"))[:TOKENS]
+    stored = np.asarray(open_array(workdir / "models" / "gnn", "valid_logprob"))[:TOKENS]
     recomputed = valid_logprobs(trained_gnn(workdir), Workdir(workdir), "per_retrieval",
                                 k=chosen)
     np.testing.assert_allclose(stored, recomputed, rtol=0, atol=1e-5)

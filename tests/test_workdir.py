@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from fakes import write_features
 
-from gnnlm.artifacts import ArtifactError
-from gnnlm.workdir import EVAL_SPLITS, SPLITS, Workdir, retrieval_tag
+from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir, retrieval_tag
 
 
 def test_every_artifact_has_its_path(tmp_path):
@@ -20,8 +20,8 @@ def test_every_artifact_has_its_path(tmp_path):
     assert retrieval_tag("att", "l2") == "att-l2"
     expected = {
         wd.tokens: "tokens",
-        wd.head("gnn"): "heads/gnn",
-        wd.base_lm_checkpoint: "heads/base_lm/model.ckpt",
+        wd.model("gnn"): "models/gnn",
+        wd.base_lm_checkpoint: "models/base_lm/model.ckpt",
         wd.features("valid"): "features/valid",
         wd.output_embedding: "features/output_embedding",
         wd.index("att", "l2"): "index/att-l2",
@@ -52,7 +52,7 @@ def test_manifest_readers(tmp_path):
 def test_relative_and_resolve_round_trip(tmp_path):
     wd = Workdir(tmp_path / "work")
     inside = wd.base_lm_checkpoint
-    assert wd.relative(inside) == "heads/base_lm/model.ckpt"
+    assert wd.relative(inside) == "models/base_lm/model.ckpt"
     assert wd.resolve(wd.relative(inside)) == inside
     outside = tmp_path / "elsewhere" / "lm.ckpt"
     assert wd.relative(outside) == str(outside)                    # kept absolute
@@ -63,9 +63,9 @@ def test_relative_and_resolve_round_trip(tmp_path):
 def test_a_relative_root_resolves_against_the_current_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     wd = Workdir("runs/x")
-    assert wd.relative(tmp_path / "runs" / "x" / "heads" / "gnn") == "heads/gnn"
-    assert wd.relative("runs/x/heads/gnn") == "heads/gnn"
-    assert wd.resolve("heads/gnn") == Path("runs/x/heads/gnn")
+    assert wd.relative(tmp_path / "runs" / "x" / "models" / "gnn") == "models/gnn"
+    assert wd.relative("runs/x/models/gnn") == "models/gnn"
+    assert wd.resolve("models/gnn") == Path("runs/x/models/gnn")
 
 
 def test_a_moved_work_directory_keeps_its_recorded_paths(tmp_path):

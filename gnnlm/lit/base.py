@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 import torch
 
 from gnnlm.lit.optim import adamw_warmup_cosine
-from gnnlm.metrics import TokenNLL
+from gnnlm.utils.metrics import TokenNLL
 
 
 class TokenLevelModule(pl.LightningModule):

@@ -6,13 +6,13 @@ p(w_t | c_t) = softmax(W h_ctx + b) (§2.3, last sentence). The output embedding
 datastore (``features/output_embedding``) and is a non-persistent buffer, so it stays out of
 checkpoints; ``attach_output_embedding`` sets it when the module is used outside a Trainer.
 
-``impl="dense"`` runs the layers on the graphs' regular layout (``gnnlm.gnn_dense``), ``"pyg"``
+``impl="dense"`` runs the layers on the graphs' regular layout (``gnnlm.gnn.dense``), ``"pyg"``
 by message passing over the edges (``GNNLMConv.forward``); both compute the same function with
 the same weights. The window sizes, inter edges and ctx window of that layout are the data
 module's ``graph``, taken at ``setup`` (or given with ``graph``).
 
 Evaluation blocks that name their windows by position (``ctx.retrieved``, the data module's
-``eval_windows="once"``) are read through ``gnnlm.window_states.WindowStates``: each retrieved
+``eval_windows="once"``) are read through ``gnnlm.gnn.window_states.WindowStates``: each retrieved
 window is computed once, for every token and every evaluation that retrieves it while the
 weights stay the same. Its node features come from the data module at ``setup``
 (``attach_node_features`` outside a Trainer).
@@ -25,13 +25,13 @@ from typing import Literal, Optional
 import torch
 from torch.nn import functional as F
 
-from gnnlm.gnn_dense import to_dense
-from gnnlm.gnn_layer import GNNStack
-from gnnlm.graph import METADATA, GraphConfig
+from gnnlm.gnn.dense import to_dense
+from gnnlm.gnn.graph import METADATA, GraphConfig
+from gnnlm.gnn.layer import GNNStack
+from gnnlm.gnn.window_states import NodeFeatures, WindowStates
 from gnnlm.lit.base import TokenLevelModule
-from gnnlm.metrics import target_nll
 from gnnlm.models.base import float32, softcap
-from gnnlm.window_states import NodeFeatures, WindowStates
+from gnnlm.utils.metrics import target_nll
 
 
 class GNNLM(TokenLevelModule):
@@ -49,7 +49,7 @@ class GNNLM(TokenLevelModule):
         ``norm``/``edge_aggr`` choose between the paper's equations (``"none"``, ``"sum"``)
         and the reference implementation's layer (``"post"``, ``"mean"``). ``max_windows``:
         the most retrieved windows whose states evaluation keeps (default: one per train
-        position; see ``gnnlm.window_states``)."""
+        position; see ``gnnlm.gnn.window_states``)."""
         super().__init__()
         if feature_dim <= 0:
             raise ValueError(f"feature_dim must be the base LM's hidden size (got {feature_dim}).")

@@ -12,10 +12,11 @@ from typing import Optional
 
 import torch
 
-from gnnlm.heads import MultiEmbeddingSoftmax, SpalmGate
 from gnnlm.lit.base import TokenLevelModule
-from gnnlm.metrics import target_nll
 from gnnlm.models import load_base_lm
+from gnnlm.models.multi_embedding import MultiEmbeddingSoftmax
+from gnnlm.spalm.gate import SpalmGate
+from gnnlm.utils.metrics import target_nll
 
 
 class GateHistogram:

@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from gnnlm.lit.base import TokenLevelModule
-from gnnlm.metrics import target_nll
 from gnnlm.models.gpt import GPT, GPTConfig
+from gnnlm.utils.metrics import target_nll
 
 
 class LanguageModel(TokenLevelModule):

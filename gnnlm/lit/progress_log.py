@@ -2,7 +2,7 @@
 
 Lightning's progress bar redraws one line in place; with stdout redirected (``make demo > log``)
 it shows nothing until the run ends. ``ProgressLog`` then writes, on stderr like the pipeline's
-other progress lines (``gnnlm.progress``), one line at most every ``GNNLM_PROGRESS_SECONDS``
+other progress lines (``gnnlm.utils.progress``), one line at most every ``GNNLM_PROGRESS_SECONDS``
 (default 30) while training, one per validation, and one when training ends:
 
     fit GNNLM: step 410/1368 (30%), epoch 1/2, 1.71 steps/s, 4:00 elapsed, ETA 9:20, train/loss 6.31
@@ -21,7 +21,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback, Timer
 from pytorch_lightning.trainer.states import TrainerFn
 
-from gnnlm.progress import format_seconds, say
+from gnnlm.utils.progress import format_seconds, say
 
 
 class ProgressLog(Callback):

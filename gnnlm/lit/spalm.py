@@ -1,4 +1,4 @@
-"""LightningModule that trains SPALM end to end (``gnnlm.spalm.Spalm``; batches from
+"""LightningModule that trains SPALM end to end (``gnnlm.spalm.model.Spalm``; batches from
 ``datamodules.spalm.SpalmDataModule``), and the two baselines it is compared with.
 
 Every parameter is trained jointly: the Transformer-XL layers, the gate w_g and the word
@@ -17,7 +17,7 @@ scored once, memory carried from one segment of a stream to the next):
 
 Predict runs record, per scored token, the gate averaged over its d dimensions (SPALM Fig. 4-5
 count tokens), and on the valid split the perplexity of the trained model when it reads each
-k of ``k_curve`` neighbours (SPALM Table 5); ``gnnlm.runner`` stores both with the scores.
+k of ``k_curve`` neighbours (SPALM Table 5); ``gnnlm.pipeline.runner`` stores both with the scores.
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ import torch
 
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.lit.optim import warmup_cosine
-from gnnlm.metrics import target_nll
 from gnnlm.models import load_gpt_checkpoint
 from gnnlm.models.gpt import GPT
-from gnnlm.spalm import Spalm, SpalmOutput
-from gnnlm.spalm_analysis import check_k_curve
+from gnnlm.spalm.analysis import check_k_curve
+from gnnlm.spalm.model import Spalm, SpalmOutput
+from gnnlm.utils.metrics import target_nll
 
 INITS = ("warm", "scratch")
 
@@ -58,7 +58,7 @@ class SpalmXL(TokenLevelModule):
         most the stored K); ``k_curve_tokens``: only the first that many valid positions.
         ``gate_bias`` and ``memory_scale``: None and ``"none"`` are the paper's equations; a
         number starts a learned gate bias, ``"learned"`` scales m_t by a learned s started at
-        ‖h‖/‖y‖ (``gnnlm.spalm`` says what each changes; the report names those on).
+        ‖h‖/‖y‖ (``gnnlm.spalm.model`` says what each changes; the report names those on).
         ``gate_lr``: the learning rate of what SPALM adds (w_g and log s; None: ``lr``); a
         warm-started LM wants a small step, while w_g starts from zero.
         """

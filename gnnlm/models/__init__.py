@@ -12,8 +12,8 @@ def load_gpt_checkpoint(path: str) -> BaseLM:
     """The built-in GPT of a ``gnnlm fit`` checkpoint, built from its saved hyper-parameters
     (read as plain data; no code from the file runs). ``vocab_fingerprint`` is the vocabulary it
     was trained on, as the checkpoint records it (None in checkpoints written before it was)."""
-    from gnnlm.checkpoints import CheckpointError, load_checkpoint, model_state
     from gnnlm.models.gpt import GPT, GPTConfig
+    from gnnlm.workdir.checkpoints import CheckpointError, load_checkpoint, model_state
 
     checkpoint = load_checkpoint(path)
     hparams = checkpoint.get("hyper_parameters") or {}

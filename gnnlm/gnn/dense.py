@@ -1,0 +1,225 @@
+"""GNN-LM on the retrieval graph's regular layout: the same layer as ``GNNLMConv``, as dense ops.
+
+A batch of B graphs (blocks of T target tokens, each with k windows of w = l + 1 + r train
+positions) has a regular shape, so the message passing of ``GNNLMConv`` (gnnlm/gnn/layer.py) is
+a handful of batched tensor operations on ``ctx`` [B, T, d] and ``nbr`` [B, T, k, w, d]:
+
+- ctx ← ctx (causal edges): masked scaled dot-product attention over the block, per head, with
+  the prior μ folded into the query scale;
+- ctx ← nbr (inter edges): attention of each token over its own k·w window nodes (or its k
+  retrieved tokens, ``inter="retrieved"``);
+- nbr ← nbr (intra edges): attention of each window node over itself and its two neighbours in
+  the window, as three shifted copies.
+
+An evaluation block built without its windows (``gnnlm.gnn.graph.build_context_graph``) carries
+``DenseGraph.retrieved`` [B, T, k] instead, and ``gnnlm.gnn.window_states`` supplies the windows.
+
+Absent nodes (clipped windows, fewer than k neighbours, nodes dropped for leakage, the padding
+of a short last block) are masked out of every softmax, so the result equals ``GNNLMConv`` on
+the HeteroData the dense layout came from (``to_dense``), to float tolerance. The parameters are
+those of the ``GNNLMConv`` layers: one module, two ways to run it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional, Union, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from gnnlm.gnn.graph import CTX_INTRA, NBR_INTER, NBR_INTRA, GraphConfig
+from gnnlm.gnn.layer import GNNLMConv
+
+
+@dataclass
+class DenseGraph:
+    """The structure of a batch of retrieval graphs in their regular layout."""
+    ctx_mask: Tensor                 # [B, T] bool: the token exists
+    nbr_mask: Tensor                 # [B, T, k, w] bool: the window node exists
+    center: int                      # the retrieved token's slot in a window (= l)
+    inter: str = "window"            # which window nodes send to the context
+    ctx_window: Optional[int] = None  # causal edges only from the last ``ctx_window`` tokens
+    retrieved: Optional[Tensor] = None  # [B, T, k] train positions, blocks without windows
+
+    def causal_mask(self) -> Tensor:
+        """[B, 1, T, T] bool: token i reads token j ≤ i (within the ctx window) that exists."""
+        T = self.ctx_mask.shape[1]
+        i = torch.arange(T, device=self.ctx_mask.device)
+        allowed = i[None, :] <= i[:, None]
+        if self.ctx_window is not None:
+            allowed &= i[:, None] - i[None, :] < self.ctx_window
+        return allowed[None, None] & self.ctx_mask[:, None, None, :]
+
+
+def to_dense(batch, config: GraphConfig, x_key: str = "x") -> tuple[Tensor, Tensor, DenseGraph]:
+    """A (batched) HeteroData from ``gnnlm.gnn.graph.build_graph`` in the regular layout:
+    ``(ctx [B, T, d], nbr [B, T, k, w, d], DenseGraph)``. Node features are ``x_key``. The window
+    sizes, inter edges and ctx window are ``config``'s; k is the batch's (``nbr.rank`` + 1), so
+    one config serves every step of a k curriculum. A batch of ``build_context_graph`` blocks
+    has no window nodes: its ``ctx.retrieved`` comes back as ``DenseGraph.retrieved``."""
+    ctx_store, nbr_store = batch["ctx"], batch["nbr"]
+    ctx_x, nbr_x = ctx_store[x_key], nbr_store.get(x_key)
+    n_ctx, d = ctx_x.shape
+    device = ctx_x.device
+    ctx_graph = getattr(ctx_store, "batch", None)
+    if ctx_graph is None:  # a single graph
+        ctx_graph = torch.zeros(n_ctx, dtype=torch.long, device=device)
+    B = int(ctx_graph.max()) + 1 if n_ctx else 1
+    counts = torch.bincount(ctx_graph, minlength=B)                      # [B]
+    starts = torch.cumsum(counts, 0) - counts
+    T = int(counts.max()) if n_ctx else 0
+    local = torch.arange(n_ctx, device=device) - starts[ctx_graph]       # [n_ctx]
+    w = config.left + config.right + 1
+    ctx = ctx_x.new_zeros(B, T, d)
+    ctx[ctx_graph, local] = ctx_x
+    ctx_mask = torch.zeros(B, T, dtype=torch.bool, device=device)
+    ctx_mask[ctx_graph, local] = True
+    retrieved = None
+    if "retrieved" in ctx_store:                                         # no window nodes
+        ids = ctx_store.retrieved                                        # [n_ctx, k]
+        retrieved = ids.new_full((B, T, ids.shape[1]), -1)
+        retrieved[ctx_graph, local] = ids
+        nbr = ctx_x.new_zeros(B, T, 0, w, d)
+        return ctx, nbr, DenseGraph(ctx_mask, torch.zeros(nbr.shape[:-1], dtype=torch.bool,
+                                                          device=device),
+                                    config.left, config.inter, config.ctx_window, retrieved)
+    nbr_graph = getattr(nbr_store, "batch", None)
+    if nbr_graph is None:
+        nbr_graph = torch.zeros(nbr_x.shape[0], dtype=torch.long, device=device)
+    k = int(nbr_store.rank.max()) + 1 if nbr_x.shape[0] else 1
+    nbr = nbr_x.new_zeros(B, T, k, w, d)
+    nbr_mask = torch.zeros(B, T, k, w, dtype=torch.bool, device=device)
+    slot = (nbr_graph, nbr_store.owner_local, nbr_store.rank, nbr_store.offset + config.left)
+    nbr[slot] = nbr_x
+    nbr_mask[slot] = True
+    return ctx, nbr, DenseGraph(ctx_mask, nbr_mask, config.left, config.inter,
+                                config.ctx_window)
+
+
+def _linear(modules: nn.ModuleDict, node_type: str) -> nn.Linear:
+    return cast(nn.Linear, modules[node_type])
+
+
+def fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """W^k followed by the head-wise W^ATT (or W^v by W^FEA) as one [d, d] linear map, so that
+    ``F.linear(h, *fold(W^k, W^ATT))`` is K(s) W^ATT of eq. 2 (and likewise eq. 3)."""
+    H, D, _ = relation.shape
+    weight = lin.weight.view(H, D, -1)                                     # [H, D, d]
+    folded = torch.einsum("hde,hdi->hei", relation, weight).reshape(H * D, -1)
+    bias = None if lin.bias is None else torch.einsum(
+        "hde,hd->he", relation, lin.bias.view(H, D)).reshape(H * D)
+    return folded, bias
+
+
+def _project(h: Tensor, maps: list[tuple[Tensor, Optional[Tensor]]], H: int, D: int
+             ) -> list[Tensor]:
+    """Several linear maps of ``h`` [..., d] in one matrix product; each [..., H, D]."""
+    weight = torch.cat([w for w, _ in maps])
+    bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in maps])
+    out = F.linear(h, weight, bias)
+    return [part.view(*h.shape[:-1], H, D) for part in out.split(H * D, dim=-1)]
+
+
+def _softmax_attend(scores: Tensor, mask: Tensor, values: Union[Tensor, list[Tensor]],
+                    dropout: float, training: bool) -> Tensor:
+    """``scores`` [..., S, H] of S sources (``mask`` [..., S]) → Σ_s att_s · values[s]
+    [..., H, D], with ``values`` a list of S tensors [..., H, D] or one [..., S, H, D] tensor.
+    Rows without sources aggregate to zero (no NaN, forward or backward)."""
+    scores = scores.masked_fill(~mask[..., None], torch.finfo(scores.dtype).min)
+    att = torch.softmax(scores, dim=-2) * mask[..., None]                   # eq. 2
+    att = F.dropout(att, dropout, training)
+    if isinstance(values, Tensor):
+        return (att[..., None] * values).sum(dim=-3)
+    out = att[..., 0, :, None] * values[0]
+    for s in range(1, len(values)):
+        out = out + att[..., s, :, None] * values[s]
+    return out
+
+
+def _inter_attend(conv: GNNLMConv, q: Tensor, keys: Tensor, feats: Tensor,
+                  graph: DenseGraph) -> tuple[Tensor, Tensor]:
+    """The inter edges, ctx ← nbr (eq. 2–3): each token's attention over its windows' nodes
+    (or retrieved tokens). ``q`` [B, T, H, D]; ``keys``/``feats`` [B, T, k, w', H, D], w' = w,
+    or 1 when only the retrieved tokens were projected. Returns the messages [B, T, H, D] and
+    whether any source reached each token [B, T]."""
+    B, T, H, D = q.shape
+    read = slice(None) if graph.inter == "window" else slice(graph.center, graph.center + 1)
+    sent = read if keys.shape[3] == graph.nbr_mask.shape[3] else slice(None)
+    keys = keys[:, :, :, sent].reshape(B, T, -1, H, D)                    # [B, T, S, H, D]
+    feats = feats[:, :, :, sent].reshape(B, T, -1, H, D)
+    mask = graph.nbr_mask[:, :, :, read].reshape(B, T, -1)                # [B, T, S]
+    scores = (keys * q[:, :, None]).sum(-1) * (conv.mu["__".join(NBR_INTER)] / math.sqrt(D))
+    return _softmax_attend(scores, mask, feats, conv.dropout, conv.training), mask.any(-1)
+
+
+def ctx_update(conv: GNNLMConv, ctx: Tensor, h_ctx: Tensor, graph: DenseGraph,
+               inter: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Tensor:
+    """The ctx nodes' layer output (eq. 1–4): causal attention over the block plus the inter
+    messages, ``inter(q)`` → (messages [B, T, H, D], any source [B, T]) for the queries
+    ``q`` [B, T, H, D]. ``h_ctx`` is ``ctx`` [B, T, d] after the pre-norm."""
+    H, D, d = conv.heads, conv.head_dim, conv.channels
+    B, T = ctx.shape[:2]
+    q, key, feat = _project(h_ctx, [
+        (_linear(conv.q_lin, "ctx").weight, _linear(conv.q_lin, "ctx").bias),
+        fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"]),
+        fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"])], H, D)      # each [B, T, H, D]
+    # ctx ← ctx: causal attention; μ/√d folded into the query, per head
+    scale = (conv.mu["__".join(CTX_INTRA)] / math.sqrt(D))[None, :, None, None]
+    causal = F.scaled_dot_product_attention(
+        q.transpose(1, 2) * scale, key.transpose(1, 2), feat.transpose(1, 2),
+        attn_mask=graph.causal_mask(), dropout_p=conv.dropout if conv.training else 0.0,
+        scale=1.0).transpose(1, 2)                                          # [B, T, H, D]
+    messages, any_source = inter(q)                                         # ctx ← nbr
+    agg = causal + messages
+    if conv.edge_aggr == "mean":  # the self loop always reaches a token
+        agg = agg / (1.0 + any_source.to(agg.dtype))[..., None, None]
+    return conv.residual("ctx", ctx, conv.o_lin["ctx"](agg.reshape(B, T, d)))  # eq. 4, 1
+
+
+def window_update(conv: GNNLMConv, nbr: Tensor, h: Tensor, present: Tensor) -> Tensor:
+    """The window nodes' layer output (eq. 1–4 over the intra edges): each node [..., w, d]
+    over its left neighbour, itself and its right neighbour. ``h`` is ``nbr`` after the
+    pre-norm, ``present`` [..., w] the nodes that exist."""
+    H, D, d = conv.heads, conv.head_dim, conv.channels
+    w = nbr.shape[-2]
+    key, feat, q = _project(h, [fold(_linear(conv.k_lin, "nbr"), conv.w_att["intra"]),
+                                fold(_linear(conv.v_lin, "nbr"), conv.w_fea["intra"]),
+                                (_linear(conv.q_lin, "nbr").weight,
+                                 _linear(conv.q_lin, "nbr").bias)], H, D)  # [..., w, H, D]
+    pad = (0, 0, 0, 0, 1, 1)  # one empty slot on each side of the window axis
+    key, feat = F.pad(key, pad), F.pad(feat, pad)                           # [..., w+2, H, D]
+    padded = F.pad(present, (1, 1))                                         # [..., w+2]
+    scale = conv.mu["__".join(NBR_INTRA)] / math.sqrt(D)
+    scores = torch.stack([(q * key[..., s:s + w, :, :]).sum(-1) * scale
+                          for s in range(3)], dim=-2)                       # [..., w, 3, H]
+    mask = torch.stack([padded[..., s:s + w] for s in range(3)], dim=-1)
+    mask = mask & present[..., None]                                        # [..., w, 3]
+    agg = _softmax_attend(scores, mask, [feat[..., s:s + w, :, :] for s in range(3)],
+                          conv.dropout, conv.training)                      # [..., w, H, D]
+    return conv.residual("nbr", nbr, conv.o_lin["nbr"](agg.reshape(*nbr.shape[:-1], d)))
+
+
+def conv_dense(conv: GNNLMConv, ctx: Tensor, nbr: Tensor, graph: DenseGraph
+               ) -> tuple[Tensor, Tensor]:
+    """One ``GNNLMConv`` (eq. 1–4) on the dense layout: ``(ctx', nbr')``. ``nbr`` passes
+    through unchanged when the layer does not update it (a last layer read out at ``ctx``)."""
+    H, D = conv.heads, conv.head_dim
+    h = conv.pre_norm({"ctx": ctx, "nbr": nbr})
+    update_nbr = "nbr" in conv.out_types
+    out_ctx, out_nbr = ctx, nbr
+    if "ctx" in conv.out_types:
+        # the window nodes' inter keys and values (a last layer under inter="retrieved" only
+        # reads the retrieved tokens)
+        senders = h["nbr"] if update_nbr or graph.inter == "window" else \
+            h["nbr"][:, :, :, graph.center:graph.center + 1]
+        keys, feats = _project(senders, [
+            fold(_linear(conv.k_lin, "nbr"), conv.w_att["inter"]),
+            fold(_linear(conv.v_lin, "nbr"), conv.w_fea["inter"])], H, D)  # [B, T, k, w', H, D]
+        out_ctx = ctx_update(conv, ctx, h["ctx"], graph,
+                             lambda q: _inter_attend(conv, q, keys, feats, graph))
+    if update_nbr:
+        out_nbr = window_update(conv, nbr, h["nbr"], graph.nbr_mask)
+    return out_ctx, out_nbr

@@ -1,0 +1,521 @@
+"""Trained parts of the pipeline (the base LM and the heads), run through LightningCLI.
+
+Each becomes an artifact ``workdir.model(name)`` holding ``model.ckpt`` and, for heads, the
+per-token log-probabilities of the valid and test targets, so that every row of the report
+scores exactly the same tokens. This is the one module of the library that imports the Lightning
+glue (``gnnlm.lit``, ``datamodules``).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from gnnlm.models import protocols
+from gnnlm.models.protocols import Protocol
+from gnnlm.utils.metrics import check_finite, ppl_from_logprobs
+from gnnlm.utils.progress import say
+from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
+from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint, plain_classes
+from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
+
+# Settings of a `gnnlm fit` config that do not change what it trains, left out of the trained
+# part's identity: the work directory and the log folder, which fit_with_cli sets on the command
+# line whatever the YAML says, and where and how progress is shown. Everything else stays, even
+# what is probably harmless (logging frequency, data loader workers): a value wrongly left out
+# would reuse weights trained otherwise, one wrongly kept only asks for a rebuild.
+NOT_IDENTITY = (("trainer", "default_root_dir"), ("trainer", "logger"),
+                ("trainer", "enable_progress_bar"), ("trainer", "enable_model_summary"),
+                ("data", "init_args", "workdir"))
+
+
+def fit_values(merged: dict) -> dict:
+    """The values of a merged `gnnlm fit` config that identify what it trains: ``merged``
+    without ``NOT_IDENTITY`` (and without sections that only held those)."""
+    def without(node, path: tuple[str, ...]):
+        if not isinstance(node, dict) or path[0] not in node:
+            return node
+        rest = {k: v for k, v in node.items() if k != path[0]}
+        if len(path) > 1:
+            inner = without(node[path[0]], path[1:])
+            if inner != {} or node[path[0]] == {}:
+                rest[path[0]] = inner
+        return rest
+
+    for path in NOT_IDENTITY:
+        merged = without(merged, path)
+    return merged
+
+
+def trained_part_config(out: Path, name: str, configs: list[str], inputs: dict,
+                        rebuild: bool = False) -> dict:
+    """The config a trained part is identified by: its name and the merged values of its YAMLs
+    (``gnnlm.pipeline.config.merged_yaml``, as LightningCLI merges them), so comments, key order,
+    whitespace, and one file split into a base and an overlay do not matter.
+
+    A trained part recorded before with its YAML texts (``{"name", "yaml"}``) is the same one
+    when those texts give the same values: it keeps the config it was recorded with, so its
+    fingerprint (which the ablations record for the memory LM) stays. Texts with other values
+    are refused here, naming the fields that differ (unless ``rebuild``)."""
+    from gnnlm.pipeline.config import merged_texts, merged_yaml
+    from gnnlm.workdir.artifacts import ArtifactError, canonical_json, refusal
+
+    config = {"name": name, "values": fit_values(merged_yaml(configs))}
+    if rebuild:
+        return config
+    try:
+        found = read_manifest(out, kind="trained_model")
+    except ArtifactError:
+        return config  # none, or not whole: the builder says so
+    recorded = found.get("config") or {}
+    if not isinstance(recorded.get("yaml"), list):
+        return config
+    try:
+        before = {"name": recorded.get("name"), "values": fit_values(merged_texts(
+            [str(text) for text in recorded["yaml"]]))}
+    except Exception:  # noqa: BLE001 - texts that do not parse: let the fingerprints decide
+        return config
+    if canonical_json(before) == canonical_json(config):
+        return recorded
+    raise refusal(out, "trained_model", {"config": before, "inputs": found.get("inputs")},
+                  {"config": config, "inputs": inputs})
+
+
+def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
+                 predict: bool = True, rebuild: bool = False,
+                 overrides: Optional[list[str]] = None) -> dict:
+    """Train with ``gnnlm fit -c configs[0] -c configs[1] … [overrides]`` into
+    ``workdir.model(name)`` unless that is done already. ``overrides`` are ``--field=value``
+    flags after the configs (the pipeline's corpus for its base LM); ``inputs`` must identify
+    what they change (e.g. the tokens' fingerprint), as they are not part of the config.
+
+    When the config's ``ModelCheckpoint`` monitors a metric, the weights are those of its best
+    checkpoint (a base LM trained too long on WikiText-2 overfits: the features and the report
+    then come from the best validation step, not the last). The starting weights are scored on
+    valid first and kept instead when training did not improve on them (a head that starts as
+    the base LM never ends worse than it); the manifest records both scores.
+
+    A killed fit resumes from its last checkpoint (``TrainingRun``) when run again with the same
+    config: weights, optimiser, schedulers and loop counters as they were.
+    """
+    out = workdir.model(name)
+    builder = ArtifactBuilder(out, kind="trained_model",
+                              config=trained_part_config(out, name, configs, inputs, rebuild),
+                              inputs=inputs, rebuild=rebuild)
+    if builder.is_complete():
+        return read_manifest(out)
+    t0 = time.perf_counter()
+    with builder:
+        cli = instantiate_fit(workdir, name, configs, overrides)
+        run = TrainingRun(cli.trainer, workdir, name, builder)
+        start = run.start(cli.model, cli.datamodule)
+        with torch.serialization.safe_globals(plain_classes()), warnings.catch_warnings():
+            if run.resume_from is not None:  # the folder holds this very build's checkpoints
+                warnings.filterwarnings("ignore", message="Checkpoint directory .* not empty")
+            cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=run.resume_from,
+                            weights_only=True)
+        if cli.trainer.interrupted:  # e.g. a signal Lightning handled: the build is not done
+            raise KeyboardInterrupt(f"training {name} was interrupted")
+        restore_best_weights(cli)
+        metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+        kept = keep_initial_weights(cli, start, run.last_validation, builder)
+        if kept is not None:
+            metrics.update(kept)
+        cli.trainer.save_checkpoint(builder.file("model.ckpt"))
+        extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
+                 "metrics": metrics, "model_class": type(cli.model).__name__}
+        if start is not None:
+            extra["valid_before_training"] = {start["metric"]: start["score"]}
+            extra["kept_initial_weights"] = kept is not None
+        if predict:  # heads: per-token scores on exactly the report's tokens
+            scores = {}
+            if (cli.datamodule.hparams.get("eval_ks") or None) is not None:
+                extra["eval_k"], scores["valid"] = choose_eval_k(
+                    cli.model, cli.datamodule, workdir.n_positions("valid"),
+                    cli.trainer.precision)
+            for split in EVAL_SPLITS:
+                n = workdir.n_positions(split)
+                if split not in scores:
+                    scores[split] = predict_logprobs(cli.model, cli.datamodule, split, n,
+                                                     cli.trainer.precision)
+                builder.array(f"{split}_logprob", np.float32, (n,))[...] = scores[split]
+            extra.update(predict_extras(cli.model))
+            extra["protocol"] = scoring_protocol(cli.model, cli.datamodule, workdir)
+            for array, values in getattr(cli.model, "predict_arrays", dict)().items():
+                builder.array(array, values.dtype, values.shape)[...] = values  # e.g. gates
+        builder.file(INITIAL_WEIGHTS).unlink(missing_ok=True)
+        manifest = builder.finish(extra=extra)
+    run.clean_up()
+    return manifest
+
+
+# the trained part's weights before its first step, kept in the unfinished build until it ends
+INITIAL_WEIGHTS = "initial_weights.pt"
+
+
+def checkpoint_seconds() -> float:
+    """How often a fit writes the checkpoint it resumes from: ``GNNLM_CHECKPOINT_SECONDS``
+    (default 300, so a killed run loses at most five minutes)."""
+    return float(os.environ.get("GNNLM_CHECKPOINT_SECONDS", 300))
+
+
+def instantiate_fit(workdir: Workdir, name: str, configs: list[str],
+                    overrides: Optional[list[str]] = None):
+    """``gnnlm fit -c configs[0] … [overrides]`` built but not run (LightningCLI ``run=False``):
+    the runner validates before training and passes the checkpoint to resume from to
+    ``trainer.fit``."""
+    from gnnlm.cli import GnnlmCLI, quiet_lightning
+
+    quiet_lightning()
+    return GnnlmCLI(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
+                    args=[*(a for c in configs for a in ("-c", c)),
+                          f"--data.init_args.workdir={workdir.root}",
+                          f"--trainer.default_root_dir={workdir.logs(name)}",
+                          *(overrides or [])],
+                    run=False, save_config_kwargs={"overwrite": True})
+
+
+class TrainingRun:
+    """The checkpoints of one trained part's fit, and whether it resumes.
+
+    Every ``ModelCheckpoint`` of the config without a ``dirpath`` writes to
+    ``logs/<name>/checkpoints/<fingerprint>``, and one more writes ``last.ckpt`` (weights,
+    optimiser, schedulers, loop counters, the other callbacks' state) every
+    ``checkpoint_seconds()`` to ``logs/<name>/resume/<fingerprint>``. Both folders are the
+    build's own: a build with another fingerprint never reads them, and they are cleared when a
+    build starts afresh. The fit resumes from ``last.ckpt`` when the unfinished build
+    (``<head>.partial``, same fingerprint) recorded that its training had started; the
+    monitored callback, writing to the same folder as before, then keeps its best score."""
+
+    def __init__(self, trainer, workdir: Workdir, name: str, builder: ArtifactBuilder):
+        from pytorch_lightning.callbacks import ModelCheckpoint
+
+        self.trainer, self.name, self.builder, self.root = trainer, name, builder, workdir.root
+        logs = workdir.logs(name)
+        self.checkpoints = Path(os.path.realpath(logs / "checkpoints" / builder.fingerprint))
+        self.resume_dir = Path(os.path.realpath(logs / "resume" / builder.fingerprint))
+        self.resume_from: Optional[str] = None
+        monitored = trainer.checkpoint_callback
+        self.last_validation = last_validation(_validation_metric(trainer)[0])
+        trainer.callbacks.append(self.last_validation)
+        if monitored is None:  # the config turned checkpointing off: nothing to resume from
+            return
+        last = self.resume_dir / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
+        if builder.progress.get("training") and last.is_file():
+            self.resume_from = str(last)
+        else:
+            shutil.rmtree(self.checkpoints, ignore_errors=True)
+            shutil.rmtree(self.resume_dir, ignore_errors=True)
+        for callback in trainer.checkpoint_callbacks:
+            if callback.dirpath is None:
+                callback.dirpath = str(self.checkpoints)
+        trainer.callbacks.append(ModelCheckpoint(
+            dirpath=str(self.resume_dir), save_top_k=0, save_last=True,
+            # (a zero timedelta would turn the interval off: at least a millisecond)
+            train_time_interval=datetime.timedelta(seconds=max(checkpoint_seconds(), 1e-3))))
+
+    def start(self, model, datamodule) -> Optional[dict]:
+        """Say where a resumed fit starts, or validate the starting weights of a new one (see
+        ``validate_before_training``); record that training started. Returns the valid score
+        before training (``{"metric", "mode", "score"}``) or None."""
+        training = dict(self.builder.progress.get("training") or {})
+        if self.resume_from is not None:
+            say(f"[gnnlm] resuming {self.name} from step {checkpoint_step(self.resume_from)} "
+                f"({self.resume_from})")
+            return training.get("initial")
+        initial = validate_before_training(self.trainer, model, datamodule,
+                                           self.builder.file(INITIAL_WEIGHTS))
+        if initial is not None:
+            say(f"[gnnlm] {self.name}: valid {initial['metric']} before training "
+                f"{initial['score']:.4g}")
+        self.builder.save_progress(training={"initial": initial})
+        return initial
+
+    def clean_up(self) -> None:
+        """After the build is complete: its resume checkpoint serves nothing any more."""
+        shutil.rmtree(self.resume_dir, ignore_errors=True)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The optimiser steps a Lightning checkpoint was written after."""
+    return int(load_checkpoint(path).get("global_step", 0))
+
+
+def _validation_metric(trainer) -> tuple[str, str]:
+    """The metric that picks the kept weights and its direction: the monitored one, or val/ppl."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.monitor:
+        return callback.monitor, callback.mode
+    return "val/ppl", "min"
+
+
+def validate_before_training(trainer, model, datamodule, weights_file: Path) -> Optional[dict]:
+    """Score the starting weights on valid (``trainer.validate``, the fit's own limits) and save
+    them to ``weights_file``, so that training can never leave a model worse than it started
+    (GNN-LM starts as the base LM). None when the config does not validate."""
+    if trainer.limit_val_batches == 0:
+        return None
+    from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
+
+    metric, mode = _validation_metric(trainer)
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights_file)
+    # the random streams as they were: each loader draws its seed from them, so without this
+    # the fit would shuffle (and drop out) otherwise than the same config trained without the
+    # extra validation, and a seeded config would no longer give the weights it gave
+    rng = _collect_rng_states()
+    with torch.serialization.safe_globals(plain_classes()):
+        results = trainer.validate(model, datamodule=datamodule, verbose=False)
+    _set_rng_states(rng)
+    _reset_metrics(model)
+    if not results or metric not in results[0]:
+        return None
+    return {"metric": metric, "mode": mode, "score": float(results[0][metric])}
+
+
+def _reset_metrics(model) -> None:
+    """Reset the model's torchmetrics states outside inference mode: ``trainer.validate`` left
+    them as inference tensors, which the fit's validation (under no_grad) cannot update."""
+    from torchmetrics import Metric
+
+    for module in model.modules():
+        if isinstance(module, Metric):
+            module.reset()
+
+
+def last_validation(metric: str):
+    """A callback that remembers the step (``step``) and the ``metric`` (``score``) of the fit's
+    last validation."""
+    from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    class LastValidation(Callback):
+        step, score = -1, float("nan")
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            value = trainer.callback_metrics.get(metric)
+            if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING and \
+                    value is not None:
+                self.step, self.score = trainer.global_step, float(value)
+
+    return LastValidation()
+
+
+def keep_initial_weights(cli, start: Optional[dict], last,
+                         builder: ArtifactBuilder) -> Optional[dict]:
+    """Put the starting weights back when the kept weights score worse on valid than they did.
+
+    The kept weights' score is the monitored callback's best, else that of the last validation
+    when it ran at the last step, else a validation now. Returns ``{metric: starting score}``
+    when the starting weights were kept, else None."""
+    if start is None:
+        return None
+    metric, mode, initial = start["metric"], start["mode"], float(start["score"])
+    trainer = cli.trainer
+    callback = trainer.checkpoint_callback
+    if (callback is not None and callback.monitor == metric and callback.best_model_path
+            and callback.best_model_score is not None):
+        final = float(callback.best_model_score)
+    elif last.step == trainer.global_step:
+        final = last.score
+    else:
+        with torch.serialization.safe_globals(plain_classes()):
+            results = trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+        final = float(results[0].get(metric, float("nan"))) if results else float("nan")
+    better = final < initial if mode == "min" else final > initial
+    if better or final == initial:
+        return None
+    state = torch.load(builder.file(INITIAL_WEIGHTS), map_location="cpu", weights_only=True)
+    cli.model.load_state_dict(state)
+    say(f"[gnnlm] {builder.path.name}: valid {metric} after training {final:.4g} is not better "
+        f"than before it ({initial:.4g}): keeping the initial weights")
+    return {metric: initial}
+
+
+def restore_best_weights(cli) -> None:
+    """Load the monitored checkpoint callback's best weights into ``cli.model``, if any."""
+    callback = cli.trainer.checkpoint_callback
+    best = getattr(callback, "best_model_path", "") if callback is not None else ""
+    if callback is not None and callback.monitor and best:
+        cli.model.load_state_dict(load_checkpoint(best)["state_dict"])
+
+
+def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32-true"
+                     ) -> np.ndarray:
+    """Log p(target) for every position of ``split``, in position order, via ``predict`` (on one
+    device, with the training run's precision)."""
+    import pytorch_lightning as pl
+
+    datamodule.hparams.predict_split = split
+    trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, precision=precision)
+    outputs = trainer.predict(model, datamodule=datamodule)
+    positions = torch.cat([o["positions"] for o in outputs]).numpy()
+    logprob = np.zeros(n, dtype=np.float32)
+    logprob[positions] = torch.cat([o["logprob"] for o in outputs]).numpy()
+    scored = np.zeros(n, dtype=bool)
+    scored[positions] = True
+    if len(positions) != n or not scored.all():
+        raise RuntimeError(f"predict on {split} scored {len(positions)} positions, expected each "
+                           f"of the {n} exactly once: the evaluation data module must partition "
+                           f"the split (no eval_tokens limit for reports).")
+    check_finite(logprob, f"{type(model).__name__}'s predicted {split} log p(target)",
+                 "the model gives that target probability 0 or NaN (weights with inf/NaN, or an "
+                 "overflow at this precision): check its training run, or train in 32-bit.")
+    return logprob
+
+
+def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
+                  ) -> tuple[dict, np.ndarray]:
+    """Score valid with each of the data module's ``eval_ks`` windows per token and keep the
+    best, as kNN-LM's k is chosen on valid (GNN-LM's k is a property of the graph, not of the
+    weights: a model trained with k windows reads any number). Sets ``datamodule.eval_k`` to it
+    and returns ``({"valid_ppl": {k: ppl}, "seconds": {k: s}, "chosen": k}, valid log p at the
+    chosen k)``."""
+    curve, seconds, best = {}, {}, None
+    for k in sorted(set(datamodule.hparams.eval_ks)):
+        datamodule.eval_k = k
+        t0 = time.perf_counter()
+        logprob = predict_logprobs(model, datamodule, "valid", n_valid, precision)
+        seconds[k] = round(time.perf_counter() - t0, 2)
+        curve[k] = ppl_from_logprobs(logprob)
+        if best is None or curve[k] < curve[best[0]]:
+            best = (k, logprob)
+    assert best is not None
+    datamodule.eval_k = best[0]
+    say("[gnnlm] valid ppl by evaluation k: " + ", ".join(
+        f"{k}: {ppl:.2f} ({seconds[k]:.0f} s)" for k, ppl in curve.items())
+        + f"; chosen k = {best[0]}")
+    return ({"valid_ppl": {str(k): v for k, v in curve.items()},
+             "seconds": {str(k): v for k, v in seconds.items()}, "chosen": best[0]}, best[1])
+
+
+def predict_extras(model) -> dict:
+    """Per-model extras saved beside the scores (SPALM: gate values over the test split; a
+    model with ``report_extras()`` says its own) and, under ``deviations``, the options on
+    that depart from the model's paper (``deviations()``), which the report names in the
+    row's label."""
+    deviations = model.deviations() if callable(getattr(model, "deviations", None)) else []
+    extras: dict = {"deviations": deviations} if deviations else {}
+    if callable(getattr(model, "report_extras", None)):
+        return {**model.report_extras(), **extras}
+    histogram = getattr(model, "gate_histogram", None)
+    if histogram is None:
+        return extras
+    counts = histogram.numpy()
+    centres = (np.arange(len(counts)) + 0.5) / len(counts)
+    return {**extras, "gate": {"histogram": counts.tolist(),
+                               "mean": float((counts * centres).sum() / max(counts.sum(), 1))}}
+
+
+def scoring_protocol(model, datamodule, workdir: Workdir) -> Protocol:
+    """How the head's valid/test scores were computed (``gnnlm.models.protocols``): the data
+    module's own protocol for the model's memory, or, for heads that score the datastore's positions
+    (features, graphs), the features' sliding windows."""
+    own = getattr(datamodule, "scoring_protocol", None)
+    if callable(own):
+        return own(int(getattr(model, "memory_length", 0) or 0))
+    return protocols.of_features(workdir.features_manifest("test"))
+
+
+def head_logprobs(workdir: Workdir, name: str, split: str) -> np.ndarray:
+    """A head's saved log p(target) of ``split``, refused when a value is inf or NaN."""
+    path = workdir.model(name)
+    manifest = read_manifest(path)
+    values = np.asarray(open_array(path, f"{split}_logprob", manifest))
+    file = path / manifest["arrays"][f"{split}_logprob"]["file"]
+    check_finite(values, str(file), changed_hint(path, "trained_model"))
+    return values
+
+
+def memory_rows(workdir: Workdir, name: str) -> list[dict]:
+    """Transformer-XL short-term memory on and off: the memory LM trained as ``name`` on its
+    test split, served as contiguous segments of parallel streams; the memory is carried, or
+    dropped."""
+    import pytorch_lightning as pl
+
+    from datamodules.lm import LMDataModule
+
+    ckpt = workdir.model(name) / "model.ckpt"
+    model = load_language_model(ckpt)
+    data = LMDataModule(**{**datamodule_args(ckpt), "workdir": str(workdir.root),
+                           "segments": True})
+    memory = model.memory_length
+    rows = []
+    for length in (memory, 0):
+        model.memory_length = model.model.memory_length = length
+        trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        (metrics,) = trainer.test(model, datamodule=data, verbose=False)
+        protocol = data.scoring_protocol(length)
+        tokens = int(metrics["test/tokens"])
+        rows.append({"row": f"Transformer-XL base LM, memory "
+                            f"{f'M = {length}' if length else 'off'}",
+                     "test_ppl": float(metrics["test/ppl"]), "tokens": tokens,
+                     "segment": data.hparams.block_size, "protocol": protocol,
+                     "mean_left_context": float(protocols.left_context(protocol, tokens).mean())})
+    return rows
+
+
+def load_language_model(ckpt: str | Path, hparams: Optional[dict] = None):
+    """A ``gnnlm.lit.lm.LanguageModel`` from a checkpoint, read as plain data."""
+    from gnnlm.lit.lm import LanguageModel
+
+    checkpoint = load_checkpoint(ckpt)
+    saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items()
+             if not k.startswith("_")}
+    model = LanguageModel(**{**saved, **(hparams or {})})
+    model.load_state_dict(checkpoint["state_dict"])
+    return model.eval()
+
+
+class _Parsed(Exception):
+    """Raised by ``check_fit_config`` once LightningCLI has parsed, before it builds anything."""
+
+
+def check_fit_config(configs: list[str]) -> None:
+    """Parse ``gnnlm fit -c configs[0] -c configs[1] …`` without building anything: an unknown
+    key, a typo'd class path or a value of the wrong type stops the pipeline before its slow
+    stages, with one message naming the files."""
+    import contextlib
+    import io
+
+    from gnnlm.cli import GnnlmCLI, quiet_lightning
+
+    class ParseOnly(GnnlmCLI):
+        def before_instantiate_classes(self) -> None:
+            raise _Parsed()
+
+    quiet_lightning()
+    printed = io.StringIO()
+    seed_log = logging.getLogger("lightning_fabric.utilities.seed")
+    level, seed_log.level = seed_log.level, logging.WARNING  # no "Seed set" line per check
+    try:
+        with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(io.StringIO()):
+            ParseOnly(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
+                      args=["fit", *(a for c in configs for a in ("-c", c))])
+    except _Parsed:
+        return
+    except SystemExit:
+        text = printed.getvalue()
+        error = text[text.find("error:") + len("error:"):] if "error:" in text else text
+        details = [line.strip() for line in error.splitlines()
+                   if line.strip() and not line.strip().startswith(("Subtypes:", "- Expected a",
+                                                                     "Given value"))]
+        raise ValueError(f"The `gnnlm fit` config {' + '.join(configs)} does not parse: "
+                         f"{' '.join(details)[:600]}") from None
+    finally:
+        seed_log.setLevel(level)
+
+
+def _cli_bases():
+    import pytorch_lightning as pl
+
+    return pl.LightningModule, pl.LightningDataModule

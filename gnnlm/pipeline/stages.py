@@ -1,0 +1,323 @@
+"""``gnnlm pipeline -c CONFIG``: every stage, in order, each skipped when its artifact is complete.
+
+    tokens → base LM (trained with LightningCLI unless given) → features (train/valid/test)
+    → per key type: index → neighbours → kNN-LM caches → (k, T, λ) fitted on valid
+    → PQ codes → heads (GNN-LM, SPALM, learned W_ds) → GNN+kNN, W_ds+base;  ablations
+    → reports/<name>/results.json, results.md, per-token scores and plots
+
+This module only orders the stages; each lives in its own module (see ARCHITECTURE.md), takes the
+``Workdir`` and says which split, key and similarity it means.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from gnnlm.gnn.pq import build_pq
+from gnnlm.models import BaseLM, is_hf, load_base_lm
+from gnnlm.models.hf import DEFAULT_CONTEXT
+from gnnlm.pipeline.ablations import ABLATIONS_VERSION, neighbours_label, outdated, run_ablations
+from gnnlm.pipeline.config import CorpusStage, PipelineConfig, load_config, merged_yaml, yaml_list
+from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
+from gnnlm.retrieval.features import build_all_features
+from gnnlm.retrieval.index import build_index
+from gnnlm.retrieval.knn import fit_and_score, fit_lambda, interpolate
+from gnnlm.retrieval.knn_cache import build_knn_cache, open_knn_cache, search_facts
+from gnnlm.retrieval.neighbors import build_neighbors
+from gnnlm.text.tokens import HFTokenizer, TokenizerConfig, TokenStore, build_tokens
+from gnnlm.utils.metrics import check_finite
+from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
+from gnnlm.workdir.checkpoints import datamodule_args
+from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir
+from gnnlm.workdir.lock import lock_workdir
+
+
+def stage_base_lm(cfg: PipelineConfig, workdir: Workdir) -> tuple[BaseLM, TokenStore, dict, str]:
+    """The frozen base LM, the tokens it reads (training it first when needed), the trained
+    model's manifest, and where the LM is (relative to the work directory when inside it).
+
+    A base LM trained here with the pipeline's ``corpus:`` section is trained on that corpus
+    (``CorpusStage``): the tokens are built first, the section is passed to ``gnnlm fit``, and
+    the tokens' fingerprint is an input of the trained model, so another corpus or tokenizer
+    is never read with this model's weights."""
+    spec = cfg.base_lm
+    store = None
+    if spec.ckpt is None:
+        inputs: dict = {}
+        if cfg.corpus is not None:
+            store = stage_tokens(cfg, workdir, "")
+            inputs = {"tokens": store.manifest["fingerprint"]}
+        manifest = fit_with_cli(workdir, "base_lm", yaml_list(spec.config), inputs, predict=False,
+                                rebuild=cfg.rebuilds("base_lm"),
+                                overrides=cfg.corpus.fit_args() if cfg.corpus else None)
+        ckpt = str(workdir.model("base_lm") / manifest["ckpt"])
+    else:
+        ckpt, manifest = spec.ckpt, {}
+    model = load_base_lm(ckpt, spec.options() if is_hf(ckpt) else None)
+    existed = (workdir.tokens / "manifest.json").is_file()
+    store = store or stage_tokens(cfg, workdir, ckpt)
+    try:
+        check_vocabulary(model, store, ckpt)
+    except ValueError:
+        if not existed:  # this run's tokens fail validation: leave nothing that looks complete
+            shutil.rmtree(workdir.tokens)
+        raise
+    location = ckpt if ckpt.startswith("hf:") else workdir.relative(ckpt)
+    return model, store, manifest, location
+
+
+def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
+    """Token ids must mean the same to the model and the corpus. A Hugging Face model may have
+    more outputs than its tokenizer has tokens (vocabularies padded to a multiple of 64 or 128:
+    Pythia, Qwen2, Phi, OPT): the extra rows are never targets, and keeping them in the softmax
+    keeps the model's own probabilities. When the model's folder has its own tokenizer, the
+    corpus's must be that one, token for token. A ``gnnlm fit`` checkpoint records the
+    fingerprint of the vocabulary it was trained on (the ordered token list): the corpus's must
+    be the same; equal sizes are not enough (two word vocabularies capped at the same size give
+    the same ids to different words). Checkpoints written before it was recorded have none,
+    and only their size is compared."""
+    hf = is_hf(ckpt)
+    if store.vocab_size > model.vocab_size or (not hf and store.vocab_size != model.vocab_size):
+        raise ValueError(f"The base LM {model.name} has {model.vocab_size} outputs but the "
+                         f"tokenizer of the corpus has {store.vocab_size} types: they must "
+                         f"match (for a Hugging Face LM use tokenizer kind 'hf', which without "
+                         f"a path is the model's own).")
+    corpus = store.vocab_fingerprint
+    if not hf:
+        recorded = getattr(model, "vocab_fingerprint", None)
+        if recorded is not None and recorded != corpus:
+            raise ValueError(f"The base LM {ckpt} was trained on another vocabulary "
+                             f"(fingerprint {recorded}, recorded in the checkpoint) than the "
+                             f"corpus was tokenized with (fingerprint {corpus}, tokens in "
+                             f"{store.path}): token ids would mean different words. Read the "
+                             f"corpus the base LM was trained on with its tokenizer (leave out "
+                             f"the pipeline's corpus section: the checkpoint names them), or "
+                             f"train a base LM on this corpus (base_lm.config).")
+        return
+    folder = Path(ckpt.removeprefix("hf:"))
+    if not folder.is_dir():
+        return
+    try:
+        own = HFTokenizer.from_path(str(folder))
+    except FileNotFoundError:  # the folder has no tokenizer to compare with
+        return
+    if own.vocab_fingerprint() != corpus:
+        raise ValueError(f"The corpus was tokenized with another vocabulary (fingerprint "
+                         f"{corpus}, tokens in {store.path}) than the base LM's own tokenizer "
+                         f"in {folder} ({own.vocab_fingerprint()}): token ids would mean "
+                         f"different words. Use tokenizer kind 'hf' without a path (the "
+                         f"model's own).")
+
+
+def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore:
+    """The corpus's token streams: the pipeline's ``corpus:`` section, or else the corpus and
+    tokenizer a ``gnnlm fit`` checkpoint names (``CorpusStage`` says how the two agree)."""
+    corpus = cfg.corpus
+    if corpus is None and not ckpt.startswith("hf:"):
+        data = datamodule_args(ckpt)
+        if "corpus" in data:  # a `gnnlm fit` checkpoint names its corpus and tokenizer
+            tok = data.get("tokenizer") or TokenizerConfig()
+            corpus = CorpusStage(name=data["corpus"], path=data.get("corpus_path"),
+                                 data_dir=data.get("data_dir"), tokenizer=tok)
+    if corpus is None:
+        raise ValueError(f"Cannot tell which corpus and tokenizer the base LM {ckpt} reads: "
+                         f"add a `corpus:` section to the pipeline config.")
+    tokenizer = corpus.tokenizer
+    if not isinstance(tokenizer, TokenizerConfig):  # as a checkpoint saved it
+        tokenizer = TokenizerConfig(**dict(tokenizer))
+    if tokenizer.kind == "hf" and not tokenizer.path:  # the Hugging Face model's own
+        tokenizer = replace(tokenizer, path=ckpt.removeprefix("hf:"))
+    return build_tokens(workdir.tokens, corpus.name, corpus.path, corpus.data_dir,
+                        tokenizer, rebuild=cfg.rebuilds("tokens"))
+
+
+def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdir: Workdir,
+                   location: str) -> dict:
+    """Features of every split with the sliding-window protocol. The windows were checked at
+    load where the base LM's shape was known there (``gnnlm.pipeline.config.base_lm_shape``); the
+    checks here are the backstop for a model only loading tells (a Hub name not in the local cache).
+    The Hugging Face default context (at most ``DEFAULT_CONTEXT``) is said here, once, and each
+    features manifest records the context and stride used (``config``, ``protocol``)."""
+    fc = cfg.features
+    if fc.context is not None and fc.context > model.context_length:
+        raise ValueError(f"features.context = {fc.context} exceeds the base LM's context "
+                         f"({model.name}: {model.context_length} positions): lower it.")
+    context = fc.context or model.context_length
+    if fc.context is None and is_hf(location) and context > DEFAULT_CONTEXT:
+        context = DEFAULT_CONTEXT
+        print(f"features.context not set: windows of {context} tokens (the model allows "
+              f"{model.context_length}; set features.context to use more).", flush=True)
+    stride = fc.stride or max(1, context // 2)
+    if fc.stride is not None and fc.stride > context:
+        raise ValueError(f"features.stride = {fc.stride} exceeds the context ({context} "
+                         f"tokens): lower it, or leave it unset for half the context.")
+    return build_all_features(model, store, workdir, context, stride, batch_size=fc.batch_size,
+                              device=fc.device, max_tokens=fc.max_tokens, location=location,
+                              rebuild=cfg.rebuilds("features"), devices=fc.devices)
+
+
+def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_window: int
+                    ) -> dict:
+    """Index, neighbours, and kNN caches of valid/test for one key type. Train queries (masked
+    for leakage) are searched for the primary key only: the one the heads' graphs and memories
+    read; the other keys serve the kNN-LM comparison."""
+    metric = cfg.knn.metric
+    # the index measures its search settings at the depth the neighbours search: K, and K + W
+    # + 1 wide for the train queries masked for leakage (``gnnlm.retrieval.neighbors``)
+    K = cfg.neighbors.K
+    width = K + leakage_window + 1 if key == cfg.knn.primary and leakage_window else K
+    index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuilds("index"),
+                        search_k=K, search_width=width)
+    neighbors = {split: build_neighbors(workdir, split, key, metric, cfg.neighbors,
+                                        leakage_window=leakage_window,
+                                        rebuild=cfg.rebuilds("neighbors"))
+                 for split in (SPLITS if key == cfg.knn.primary else EVAL_SPLITS)}
+    for split in EVAL_SPLITS:
+        build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
+                        rebuild=cfg.rebuilds("knn_cache"))
+    return {"index": index, "neighbors": neighbors}
+
+
+def search_label(workdir: Workdir, cfg: PipelineConfig, key: str) -> dict:
+    """What a kNN-LM row's neighbours and scores are, from its test cache's manifest (an index
+    searched with re-ranking gives exact scores whatever ``knn.scores`` says)."""
+    manifest = read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, "test"))
+    facts = search_facts(manifest, workdir)
+    return {"neighbours": neighbours_label(facts),
+            "scores": "exact" if facts["scores_are_exact"] else "approximate (index)"}
+
+
+def knn_caches(cfg: PipelineConfig, workdir: Workdir, key: str,
+               lm_logprob: Optional[dict] = None) -> dict:
+    """The valid/test caches of ``key``; ``lm_logprob`` swaps in another model's scores."""
+    return {s: open_knn_cache(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, s),
+                              None if lm_logprob is None else lm_logprob[s])[1]
+            for s in EVAL_SPLITS}
+
+
+def head_inputs(workdir: Workdir) -> dict:
+    """Fingerprints of the artifacts heads read (so a rebuilt datastore retrains them)."""
+    inputs = {f"features_{s}": read_manifest(workdir.features(s))["fingerprint"] for s in SPLITS}
+    for nb in sorted((workdir.root / "neighbors").glob("*/train")):
+        inputs[f"neighbors_{nb.parent.name}"] = read_manifest(nb)["fingerprint"]
+    return inputs
+
+
+def stage_heads(cfg: PipelineConfig, workdir: Workdir) -> dict[str, dict]:
+    """Every configured head, trained once (PQ codes first when GNN-LM reads them)."""
+    heads = {}
+    for row, configs in cfg.heads().items():
+        data = (merged_yaml(configs).get("data") or {}).get("init_args") or {}
+        if row == "gnn" and data.get("node_features", "pq") == "pq":
+            build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
+        artifact = row.replace("[n=", "_n").rstrip("]")
+        heads[row] = fit_with_cli(workdir, artifact, configs, head_inputs(workdir),
+                                  rebuild=cfg.rebuilds(row))
+    return heads
+
+
+def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict) -> Optional[dict]:
+    """The Xu et al. table and, with ``ablations.memory_lm``, Transformer-XL memory on/off."""
+    stage = cfg.ablations
+    if not stage.enabled and not stage.memory_lm:
+        return None
+    inputs = {key: read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, "test")
+                                 )["fingerprint"] for key in retrieval}
+    if stage.memory_lm:
+        memory = fit_with_cli(workdir, "base_lm_xl", yaml_list(stage.memory_lm), {},
+                              predict=False, rebuild=cfg.rebuilds("base_lm_xl"))
+        inputs["memory_lm"] = memory["fingerprint"]
+    builder = ArtifactBuilder(workdir.ablations, kind="ablations",
+                              config={**asdict(stage), "grid": cfg.knn.grid(),
+                                      "metric": cfg.knn.metric, "keys": cfg.knn.keys,
+                                      "version": ABLATIONS_VERSION},
+                              inputs=inputs,
+                              rebuild=cfg.rebuilds("ablations") or outdated(workdir.ablations))
+    if builder.is_complete():
+        return read_manifest(workdir.ablations)["result"]
+    with builder:
+        result = {}
+        if stage.enabled:
+            result = run_ablations(stage, workdir, cfg.knn.keys, cfg.knn.metric, cfg.knn.scores,
+                                   cfg.knn.grid(), builder.partial)
+        if stage.memory_lm:
+            result["memory"] = memory_rows(workdir, "base_lm_xl")
+        builder.finish(extra={"result": result})
+    return result
+
+
+def fit_chains(cfg: PipelineConfig) -> list[list[str]]:
+    """The ``gnnlm fit`` configs of every trained part the pipeline will run."""
+    chains = [yaml_list(cfg.base_lm.config) if cfg.base_lm.ckpt is None else [],
+              yaml_list(cfg.ablations.memory_lm), *cfg.heads().values()]
+    return [chain for chain in chains if chain]
+
+
+def run(cfg: PipelineConfig) -> dict:
+    """Run every stage; return the results dict also written to ``reports/<name>/``."""
+    from gnnlm.pipeline.report import write_report
+
+    workdir = Workdir(cfg.workdir)
+    for chain in fit_chains(cfg):  # every trained part's config parses, before any work
+        check_fit_config(chain)
+    workdir.root.mkdir(parents=True, exist_ok=True)
+    _lock = lock_workdir(workdir.root, "pipeline")  # one run per work directory, until we return
+    model, store, base_manifest, location = stage_base_lm(cfg, workdir)
+    feature_manifests = stage_features(cfg, model, store, workdir, location)
+    # a train feature has read this many tokens back: the leakage rule's window
+    leakage_window = (cfg.neighbors.leakage_window if cfg.neighbors.leakage_window is not None
+                      else feature_manifests["train"]["config"]["context"])  # 0: no masking
+    scores: dict[str, dict[str, np.ndarray]] = {
+        "base": {s: np.asarray(open_array(workdir.features(s), "lm_logprob"))
+                 for s in EVAL_SPLITS}}
+    for s in EVAL_SPLITS:  # a perplexity over these is never inf or nan
+        check_finite(scores["base"][s], f"{workdir.features(s) / 'lm_logprob.bin'}",
+                     changed_hint(workdir.features(s), "features"))
+    hparams: dict[str, dict] = {}
+    retrieval = {}
+    grid = cfg.knn.grid()
+    for key in cfg.knn.keys:
+        retrieval[key] = stage_retrieval(cfg, workdir, key, leakage_window)
+        caches = knn_caches(cfg, workdir, key)
+        result = fit_and_score(caches["valid"], caches["test"], *grid)
+        name = "knn" if key == cfg.knn.primary else f"knn[{key}]"
+        scores[name] = {"test": result.pop("test_logprob")}
+        hparams[name] = {**result, "similarity": cfg.knn.metric, "key": key,
+                         **search_label(workdir, cfg, key)}
+    heads = stage_heads(cfg, workdir)
+    for name, manifest in heads.items():
+        scores[name] = {s: head_logprobs(workdir, manifest["config"]["name"], s)
+                        for s in EVAL_SPLITS}
+    if "gnn" in heads:  # GNN+kNN: the GNN's distribution interpolated with kNN-LM's (eq. 5)
+        caches = knn_caches(cfg, workdir, cfg.knn.primary, scores["gnn"])
+        result = fit_and_score(caches["valid"], caches["test"], *grid)
+        scores["gnn+knn"] = {"test": result.pop("test_logprob")}
+        hparams["gnn+knn"] = {**result, "similarity": cfg.knn.metric, "key": cfg.knn.primary,
+                              **search_label(workdir, cfg, cfg.knn.primary)}
+    for name in cfg.learned_wds.named():  # Xu et al. §4.1: interpolated with the base LM
+        lam, valid_ppl = fit_lambda(scores["base"]["valid"], scores[name]["valid"], grid[2])
+        scores[f"{name}+base"] = {"test": interpolate(scores["base"]["test"],
+                                                      scores[name]["test"], lam)}
+        hparams[f"{name}+base"] = {"lambda": lam, "valid_ppl": valid_ppl}
+    for name, row in scores.items():  # the report's perplexities are never inf or nan
+        for s, values in row.items():
+            check_finite(values, f"the {name} row's {s} log p(target)",
+                         f"that token gets probability 0 or NaN (λ = 1 leaves the LM no share "
+                         f"of it); check the row's inputs with `gnnlm verify {workdir.root}`.")
+    ablations = stage_ablations(cfg, workdir, retrieval)
+    return write_report(cfg, workdir, model, store, scores, hparams, retrieval, heads,
+                        base_manifest, feature_manifests, ablations)
+
+
+def main(args: list[str]) -> None:
+    """``gnnlm pipeline``: runs every stage and writes its artifacts under ``workdir`` (tokens,
+    features, index, neighbors, knn_cache, pq, heads, ablations) and the report
+    ``reports/<name>/`` (results.json, results.md, per-token scores, plots); prints the table."""
+    from gnnlm.pipeline.report import print_table
+
+    cfg = load_config(args, description=main.__doc__, machine=True)
+    print_table(run(cfg), Workdir(cfg.workdir))

@@ -1,0 +1,334 @@
+"""Neighbours for every position of a split: the retrieval that GNN-LM and kNN-LM build on.
+
+For split s, ``workdir.neighbors(key, metric, s)`` holds, per position t:
+
+- ``ids`` int32 [N, K]: train positions of the K nearest train keys, best first, -1 = none;
+- ``sims`` float32 [N, K]: their similarities as the search returned them (the "FAISS scores"
+  of Xu et al. §5.1; higher is better, l2 = negative squared distance), -inf where ids is -1.
+
+Queries are the split's features of the index's key type. The datastore holds train positions
+only, so train queries would find their own future. A feature at train position p was computed
+from the W tokens before its target (W: the features' context length) and predicts target p, so
+it has read, or is, the target of every position t with p − W ≤ t ≤ p. For ``split == "train"``
+every neighbour p with t ≤ p ≤ t + W is therefore dropped: it has read the query's target
+(GNN-LM §3.1, "Data Leakage Prevention"). At most W + 1 keys lie in that window, so train queries
+search ``K + W + 1`` candidates and keep the first K unmasked ones: the result never holds a
+masked position and never has fewer than K neighbours for lack of width. The manifest records
+``masked_fraction`` (dropped / retrieved candidates) and ``masked_fraction_top_k`` (the share of
+the unmasked search's top K that leakage removed). Valid/test queries are not masked.
+
+``backend="exact"`` searches exactly in torch over the stored train keys (Xu et al.'s "real
+mask" ablation); ``"index"`` uses the FAISS index ("FAISS mask"). The build goes in fixed chunks
+of positions with progress after each, so a killed build resumes and ends with the same bytes.
+``devices`` > 1 shares the chunks among processes (``gnnlm.workdir.shards``): one per GPU on CUDA,
+each with its own copy of the index on its GPU when faiss has GPU support; the same bytes again,
+and a killed build resumes with any number of processes. ``shard_index`` instead spreads one index
+over every GPU of one process (``gnnlm.retrieval.multi_gpu``).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Union
+
+import faiss
+import numpy as np
+import torch
+
+from gnnlm.retrieval.features import check_key, open_features
+from gnnlm.retrieval.multi_gpu import require_faiss_gpu, shard_over_gpus
+from gnnlm.retrieval.search import Searcher
+from gnnlm.utils.devices import faiss_has_gpu
+from gnnlm.utils.progress import say
+from gnnlm.workdir.artifacts import (
+    ArtifactBuilder,
+    ArtifactError,
+    check_inputs,
+    open_array,
+    read_manifest,
+)
+from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.ranks import Rank, check_devices, run_on_ranks
+from gnnlm.workdir.shards import ShardedJob, totals
+
+
+@dataclass
+class NeighborsConfig:
+    """Retrieval for every position.
+
+    ``leakage_window`` is W for train queries: how many tokens back a feature has read; None
+    takes the ``leakage_window`` argument of ``build_neighbors``, which the pipeline sets to the
+    features' context length. 0 disables masking (an ablation only).
+    ``train_queries`` retrieves for the first N train positions only (the prefix that heads
+    train on; the datastore itself stays whole); valid and test always get every position.
+    ``devices`` searches the query chunks on that many processes (one per GPU on CUDA; "auto":
+    every GPU), with the same bytes as one process. ``shard_index`` spreads the faiss index over
+    every GPU of one process (an index too large for one GPU; needs faiss-gpu). Neither changes
+    the artifact, so neither is part of its fingerprint. ``nprobe`` and ``rerank`` are the
+    index's search settings (``gnnlm.retrieval.tuning``): ``"auto"`` takes those the index stage
+    measured to reach its target recall.
+    """
+    K: int = 1024
+    leakage_window: int | None = None
+    train_queries: int | None = None
+    batch_size: int = 4096
+    backend: Literal["index", "exact"] = "index"
+    chunk: int = 65536
+    devices: Union[int, Literal["auto"]] = 1
+    shard_index: bool = False
+    nprobe: Union[int, Literal["auto"]] = "auto"
+    rerank: Union[float, Literal["auto"]] = "auto"
+
+    def __post_init__(self):
+        for name in ("K", "batch_size", "chunk"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"neighbors.{name} must be >= 1 (got {getattr(self, name)}).")
+        if self.train_queries is not None and self.train_queries < 1:
+            raise ValueError(f"neighbors.train_queries must be >= 1 or None for all "
+                             f"(got {self.train_queries}).")
+        if self.leakage_window is not None and self.leakage_window < 0:
+            raise ValueError(f"neighbors.leakage_window must be >= 0 or None for the base LM's "
+                             f"context length (got {self.leakage_window}).")
+        if self.backend not in ("index", "exact"):
+            raise ValueError(f"neighbors.backend must be 'index' or 'exact' "
+                             f"(got {self.backend!r}).")
+        check_devices(self.devices, "neighbors.devices")
+        if self.nprobe != "auto" and int(self.nprobe) < 1:
+            raise ValueError(f"neighbors.nprobe must be >= 1 or 'auto' (got {self.nprobe}).")
+        if self.rerank != "auto" and not (float(self.rerank) == 0 or float(self.rerank) >= 1):
+            raise ValueError(f"neighbors.rerank must be 0 (the index's own scores), >= 1 "
+                             f"(candidates per neighbour, re-ranked exactly) or 'auto' "
+                             f"(got {self.rerank}).")
+        if self.shard_index and (self.backend != "index" or self.devices != 1):
+            raise ValueError(f"neighbors.shard_index spreads one faiss index over the GPUs of "
+                             f"one process: it needs backend 'index' and devices 1 (got "
+                             f"backend={self.backend!r}, devices={self.devices!r}).")
+
+    def fingerprint_config(self) -> dict:
+        """The fields that define the neighbours (how many processes searched them does not)."""
+        cfg = asdict(self)
+        for name in ("devices", "shard_index", "nprobe", "rerank"):  # resolved ones: `search`
+            cfg.pop(name)
+        return cfg
+
+
+def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, window: int, K: int
+                 ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """Drop candidates p with t ≤ p ≤ t + window (they have read the target t) and keep the
+    first K others, order preserved.
+
+    ``sims``/``ids`` [n, width] best first, ``positions`` [n] the query positions t.
+    Returns ``(sims [n, K], ids [n, K], counts)``; missing slots are -1 / -inf.
+    """
+    valid = ids >= 0                                                   # [n, width]
+    ahead = ids - positions[:, None]                                   # [n, width]
+    masked = valid & (ahead >= 0) & (ahead <= window)
+    keep = valid & ~masked
+    # A stable sort of "not kept" moves kept candidates to the front in their search order.
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :K]            # [n, K]
+    out_ids = np.take_along_axis(ids, order, axis=1)
+    out_sims = np.take_along_axis(sims, order, axis=1)
+    kept = np.take_along_axis(keep, order, axis=1)
+    out_ids[~kept] = -1
+    out_sims[~kept] = -np.inf
+    counts = {"retrieved": int(valid.sum()), "dropped": int(masked.sum()),
+              "retrieved_top_k": int(valid[:, :K].sum()),
+              "dropped_top_k": int(masked[:, :K].sum())}
+    return out_sims, out_ids, counts
+
+
+def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
+                    config: NeighborsConfig | None = None, leakage_window: int | None = None,
+                    rebuild: bool = False, stop_after_chunks: int | None = None,
+                    device: str = "auto", strategy: str = "ddp_spawn") -> dict:
+    """Neighbours of every position of ``split`` among the train ``key`` keys under ``metric``
+    (skips a complete build; resumes a partial one).
+
+    ``config.backend`` picks the FAISS index ``workdir.index(key, metric)`` or exact search over
+    the same keys. ``config.devices`` > 1 searches on that many processes (``gnnlm.workdir.ranks``),
+    each writing its query chunks: the same bytes as one process, and the manifest's counts and
+    search seconds summed over them. ``stop_after_chunks`` stops each rank after that many
+    chunks without completing (used to test resumption).
+    """
+    config = config or NeighborsConfig()
+    index_path = workdir.index(key, metric)
+    index_manifest = read_manifest(index_path, kind="index")
+    query_manifest, query_arrays = open_features(workdir.features(split))
+    train_manifest, _ = open_features(workdir.features("train"))
+    made, asked = index_manifest["base_lm"], query_manifest["base_lm"]
+    if made["fingerprint"] != asked["fingerprint"]:
+        raise ArtifactError(
+            f"The {split} features at {workdir.features(split)} come from base LM "
+            f"{asked['name']} (weights {asked['fingerprint']}), but the index at {index_path} "
+            f"holds keys of base LM {made['name']} (weights {made['fingerprint']}): their vectors "
+            f"live in different spaces. Encode {split} with the model that made the index, or "
+            f"rebuild the index.")
+    check_inputs(index_manifest, index_path, {"features": train_manifest["fingerprint"]},
+                 "Neighbour ids would point at other positions: rebuild the index over these "
+                 "train features (--rebuild).")
+    check_key(query_manifest, key)
+    masked = split == "train"
+    given = config.leakage_window if config.leakage_window is not None else leakage_window
+    if masked and given is None:
+        raise ValueError("Train queries need a leakage window W (neighbors.leakage_window, "
+                         "default: the base LM's context length) (got None).")
+    window = int(given) if masked and given is not None else 0
+    n = int(query_arrays[key].shape[0])
+    if split == "train" and config.train_queries is not None:
+        n = min(n, config.train_queries)  # heads train on this prefix; the datastore stays whole
+    ntotal = int(index_manifest["n"])
+    if config.K > ntotal:
+        raise ValueError(f"neighbors.K must not exceed the datastore size {ntotal} "
+                         f"(got {config.K}): lower K or build a larger datastore.")
+    width = min(config.K + window + 1, ntotal) if masked and window > 0 else config.K
+    search = {"nprobe": int(index_manifest.get("nprobe", 1) if config.nprobe == "auto"
+                            else config.nprobe),
+              "rerank": float(index_manifest.get("rerank", 0.0) if config.rerank == "auto"
+                              else config.rerank)}
+    if config.backend == "exact":
+        search = {}
+    job = NeighborsJob(
+        out_dir=workdir.neighbors(key, metric, split), workdir=workdir, split=split, key=key,
+        metric=metric, config=config, masked=masked, window=window, n=n, width=width,
+        inputs={"index": index_manifest["fingerprint"], "features": query_manifest["fingerprint"],
+                "train_features": train_manifest["fingerprint"]},
+        index_facts={"factory": index_manifest["factory"], "recall": index_manifest.get("recall")},
+        search=search,
+        base_lm=asked, device=device, rebuild=rebuild, stop_after=stop_after_chunks)
+    if job.builder().is_complete():
+        return read_manifest(job.out_dir)
+    if config.shard_index:
+        require_faiss_gpu("A sharded multi-GPU index (neighbors.shard_index)")
+    return run_on_ranks(job, config.devices, device, strategy)
+
+
+COUNTS = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
+
+
+@dataclass
+class NeighborsJob(ShardedJob):
+    """The neighbours of one split on one rank: chunk c holds query positions
+    ``[c * chunk, (c + 1) * chunk)``, searched in the same batches by any rank."""
+    out_dir: Path
+    workdir: Workdir
+    split: str
+    key: str
+    metric: str
+    config: NeighborsConfig
+    masked: bool
+    window: int
+    n: int
+    width: int
+    inputs: dict
+    index_facts: dict
+    search: dict
+    base_lm: dict
+    device: str
+    rebuild: bool
+    stop_after: int | None
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n // self.config.chunk)
+
+    @property
+    def desc(self) -> str:
+        return f"neighbours {self.split}"
+
+    def builder(self) -> ArtifactBuilder:
+        return ArtifactBuilder(
+            self.out_dir, kind="neighbors",
+            config={**self.config.fingerprint_config(), "search": self.search,
+                    "leakage_window": self.window if self.masked else None, "split": self.split},
+            inputs=self.inputs, rebuild=self.rebuild)
+
+    def setup(self, builder: ArtifactBuilder) -> None:
+        builder.array("ids", np.int32, (self.n, self.config.K))
+        builder.array("sims", np.float32, (self.n, self.config.K))
+
+    def searcher(self, rank: Rank) -> Searcher:
+        """The search of one rank: the caller's device in-process; otherwise the rank's own
+        GPU (faiss-gpu, or exact search in torch), or the CPU."""
+        if rank.world == 1:
+            device = self.device
+        elif rank.device.type == "cuda":
+            device = f"cuda:{rank.device.index or 0}"
+        else:
+            device = "cpu"
+            faiss.omp_set_num_threads(torch.get_num_threads())  # the cores shared among ranks
+        if self.config.backend == "exact":
+            return Searcher.exact(self.workdir, self.key, self.metric, device=device)
+        if self.config.shard_index:
+            return shard_over_gpus(Searcher.for_workdir(self.workdir, self.key, self.metric,
+                                                        device="cpu", **self.search), self.width)
+        if device.startswith("cuda") and not faiss_has_gpu():
+            device = "cpu"
+            if rank.rank == 0:
+                say("[gnnlm] neighbours: this faiss has no GPU support: the index is searched "
+                    "on the CPU (neighbors.backend: exact searches on the GPUs)")
+        return Searcher.for_workdir(self.workdir, self.key, self.metric, device=device,
+                                    **self.search)
+
+    def work(self, rank: Rank, chunks: Iterator[tuple[int, dict]],
+             arrays: dict[str, np.ndarray]) -> None:
+        searcher = self.searcher(rank)
+        queries = open_features(self.workdir.features(self.split))[1][self.key]  # [N, d] fp16
+        K, size, batch = self.config.K, self.config.chunk, self.config.batch_size
+        for chunk, stats in chunks:
+            stop = min((chunk + 1) * size, self.n)
+            for start in range(chunk * size, stop, batch):
+                end = min(start + batch, stop)
+                sims, ids = searcher.search(np.asarray(queries[start:end], dtype=np.float32),
+                                            self.width)                # [b, width]
+                if self.masked and self.window > 0:
+                    positions = np.arange(start, end, dtype=np.int64)
+                    sims, ids, c = mask_leakage(sims, ids, positions, self.window, K)
+                    for name in COUNTS:
+                        stats[name] = stats.get(name, 0) + c[name]
+                else:
+                    sims, ids = sims[:, :K], ids[:, :K]
+                arrays["ids"][start:end] = ids
+                arrays["sims"][start:end] = sims
+
+    def extra(self, rank: Rank, done: dict[int, dict], wall_seconds: float) -> dict:
+        summed = totals(done)
+        seconds = float(summed.get("seconds", 0.0))
+        stats = {}
+        if self.masked:
+            counts = {name: int(summed.get(name, 0)) for name in COUNTS}
+            stats = {**counts,
+                     "masked_fraction": counts["dropped"] / max(counts["retrieved"], 1),
+                     "masked_fraction_top_k": (counts["dropped_top_k"]
+                                               / max(counts["retrieved_top_k"], 1))}
+        index_backend = self.config.backend == "index"
+        return {
+            "split": self.split, "n": self.n, "K": self.config.K, "key": self.key,
+            "metric": self.metric, "backend": self.config.backend,
+            "factory": self.index_facts["factory"] if index_backend else "exact",
+            "nprobe": self.search.get("nprobe"), "rerank": self.search.get("rerank"),
+            "leakage_window": self.window if self.masked else None, "search_k": self.width,
+            "masked": self.masked, **stats,
+            "base_lm": self.base_lm, "index_recall": self.index_facts["recall"],
+            "search_seconds": round(seconds, 3),
+            "queries_per_s": round(self.n / seconds, 1) if seconds > 0 else None,
+            "devices": rank.world, "wall_seconds": wall_seconds}
+
+
+def neighbor_values(ids: np.ndarray, train_targets: np.ndarray) -> np.ndarray:
+    """The values (the train tokens that followed) of neighbour ids [..., K]; -1 where id is -1."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return np.where(ids >= 0, np.asarray(train_targets)[np.maximum(ids, 0)], -1)
+
+
+def neighbor_hits(ids: np.ndarray, train_targets: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Bool [n, K]: does neighbour i's value equal the query's target (False where id is -1)."""
+    values = neighbor_values(ids, train_targets)
+    return (values == np.asarray(targets, dtype=np.int64)[:, None]) & (values >= 0)
+
+
+def open_neighbors(path: str | Path) -> tuple[dict, dict]:
+    """``(manifest, {"ids": memmap [N, K], "sims": memmap [N, K]})`` of a neighbours folder
+    (``workdir.neighbors(key, metric, split)``)."""
+    manifest = read_manifest(path, kind="neighbors")
+    return manifest, {name: open_array(path, name, manifest) for name in ("ids", "sims")}

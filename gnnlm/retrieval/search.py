@@ -1,0 +1,397 @@
+"""Search over the train keys: the similarity convention, exact search, and ``Searcher``.
+
+Similarity convention, everywhere in the package: **higher is better**. ``cos`` L2-normalises keys
+and queries and scores by inner product, ``ip`` is the raw inner product, ``l2`` is the *negative*
+squared L2 distance. Missing results (fewer keys than asked for) are id -1 with similarity -inf.
+
+``exact_search`` is a chunked matmul + top-k in torch over a possibly float16 memmap (keys are
+read once, converted one chunk at a time); it is the dependable exact path on CUDA machines
+without faiss-gpu. On 2 CPU cores it ran at 0.65x the speed of faiss ``IndexFlatIP`` over
+float32 keys in RAM, with the same ids, while reading half the bytes (the fp16 memmap).
+``Searcher`` puts a FAISS index (``gnnlm.retrieval.index``) and exact search behind one call. With
+``rerank = f`` it searches f·k candidates in the index and keeps the k best by their exact
+similarity, recomputed from the stored float16 keys: the IVF-PQ index only has to bring the
+true neighbours into the candidate list, and the scores returned are exact. On a GPU, a search
+whose candidate width (``candidate_width``) or nprobe exceeds ``GPU_MAX_K`` runs on the index's
+CPU copy instead, with a warning (``fits_gpu``; tuning never picks such a setting). ``rescore``
+recomputes the similarities of given neighbours exactly, in their order.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import faiss
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from gnnlm.retrieval.features import check_key, open_features
+from gnnlm.utils.devices import faiss_device, torch_device
+from gnnlm.workdir.artifacts import read_manifest
+from gnnlm.workdir.layout import Workdir
+
+METRICS = ("cos", "ip", "l2")
+# GPU faiss refuses k (and nprobe) above this; larger searches run on the CPU copy
+# (``Searcher.search`` warns once), and tuning never picks such a setting
+# (``gnnlm.retrieval.tuning``).
+GPU_MAX_K = 2048
+
+
+def check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS} (got {metric!r}).")
+
+
+def candidate_width(k: int, rerank: float, ntotal: int) -> int:
+    """How many candidates ``Searcher.search(queries, k)`` asks the index for: ceil(rerank·k)
+    (at most ``ntotal``) when re-ranking, else k."""
+    return min(int(ntotal), math.ceil(rerank * k)) if rerank else int(k)
+
+
+def fits_gpu(k: int, nprobe: int | None, rerank: float, ntotal: int) -> bool:
+    """Whether a search of width k at ``nprobe``/``rerank`` stays within GPU faiss's limit
+    (``GPU_MAX_K`` on both the candidate width and nprobe), i.e. runs on a GPU index rather
+    than falling back to its CPU copy."""
+    return (candidate_width(k, rerank, ntotal) <= GPU_MAX_K
+            and int(nprobe or 0) <= GPU_MAX_K)
+
+
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    """L2-normalise float32 rows in place (zero rows stay zero); the cos metric's key/query map."""
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    np.maximum(norms, 1e-12, out=norms)
+    x /= norms
+    return x
+
+
+def _as_float32(x: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+
+
+
+def _float_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.float()
+    array = np.asarray(x, dtype=np.float32)
+    if not array.flags.writeable:
+        array = array.copy()  # read-only memmaps: torch wants writable memory
+    return torch.from_numpy(array)
+
+
+def _key_block(keys: Any, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    if isinstance(keys, torch.Tensor):
+        return keys[start:stop].to(device=device, dtype=torch.float32)
+    return torch.from_numpy(_as_float32(keys[start:stop])).to(device)
+
+
+@torch.no_grad()
+def exact_search(keys: Any, queries: Any, k: int, metric: str, device: str | torch.device = "cpu",
+                 chunk: int = 65536) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k of ``queries`` [n, d] among ``keys`` [N, d]: ``(sims float32, ids int64)``.
+
+    Keys may be a float16 memmap or a torch tensor; they are converted to float32 one chunk at a
+    time (keys are read once; every query is scored against each chunk). Rows with fewer than k
+    candidate keys end in id -1 / sim -inf. Similarities follow the module's convention (higher
+    is better).
+    """
+    check_metric(metric)
+    if k < 1:
+        raise ValueError(f"k must be >= 1 (got {k}).")
+    device = torch_device(device)
+    n_keys = int(keys.shape[0])
+    if isinstance(queries, torch.Tensor):
+        q = queries.detach().to(device=device, dtype=torch.float32)
+    else:
+        q = torch.from_numpy(_as_float32(queries)).to(device)
+    if q.ndim != 2 or q.shape[1] != keys.shape[1]:
+        raise ValueError(f"queries must be [n, {keys.shape[1]}] like the keys "
+                         f"(got {tuple(q.shape)}).")
+    if metric == "cos":
+        q = F.normalize(q, dim=1, eps=1e-12)
+    n = q.shape[0]
+    # Scores go to one reused [rows, chunk] buffer of ~2^24 floats (64 MB): allocating (and
+    # first-touching) a fresh block per step cost ~30% of the time on CPU.
+    width = max(1, min(chunk, n_keys))
+    rows = max(1, min(n, (1 << 24) // width))
+    buffer = torch.empty(rows * width, device=device)
+    best_s = torch.full((n, k), -math.inf, device=device)          # [n, k]
+    best_i = torch.full((n, k), -1, dtype=torch.int64, device=device)
+    q_sq = (q * q).sum(1) if metric == "l2" else None                # [n]
+    for start in range(0, n_keys, chunk):
+        kc = _key_block(keys, start, min(start + chunk, n_keys), device)  # [c, d]
+        c = kc.shape[0]
+        if metric == "cos":
+            kc = F.normalize(kc, dim=1, eps=1e-12)
+        k_sq = (kc * kc).sum(1) if metric == "l2" else None           # [c]
+        kk = min(k, c)
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
+            s = buffer[:(r1 - r0) * c].view(r1 - r0, c)
+            torch.mm(q[r0:r1], kc.T, out=s)                            # [r, c]
+            if q_sq is not None and k_sq is not None:  # l2
+                # -|q - k|^2, clamped: rounding must not make a distance negative.
+                s.mul_(2).sub_(q_sq[r0:r1, None]).sub_(k_sq[None]).clamp_(max=0.0)
+            top_s, top_i = s.topk(kk, dim=1)                           # [r, kk]
+            merged_s = torch.cat([best_s[r0:r1], top_s], dim=1)        # [r, k + kk]
+            merged_i = torch.cat([best_i[r0:r1], top_i + start], dim=1)
+            best_s[r0:r1], pos = merged_s.topk(k, dim=1)
+            best_i[r0:r1] = merged_i.gather(1, pos)
+    best_i[torch.isneginf(best_s)] = -1
+    return best_s.cpu().numpy(), best_i.cpu().numpy()
+
+
+def recall_at(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int) -> float:
+    """Mean |approx top-k ∩ exact top-k| / k over queries (-1 ids never count)."""
+    a = np.asarray(approx_ids[:, :k], dtype=np.int64)                  # [n, k]
+    e = np.asarray(exact_ids[:, :k], dtype=np.int64)                   # [n, k]
+    # Membership by binary search in one sorted table where row r's ids (+1, so -1 -> 0) lie in
+    # [r * span, (r + 1) * span): O(n k log) where comparing all pairs took n·k² memory
+    # (1 GB for 1,000 queries at the neighbours' k = 1,024).
+    span = int(max(a.max(initial=-1), e.max(initial=-1))) + 2
+    offsets = np.arange(len(e), dtype=np.int64)[:, None] * span         # [n, 1]
+    table = np.sort((e + 1 + offsets).ravel())                         # [n·k]
+    probe = a + 1 + offsets                                            # [n, k]
+    pos = np.minimum(np.searchsorted(table, probe), max(len(table) - 1, 0))
+    found = ((table[pos] == probe) & (a >= 0)).sum(axis=1) if table.size else 0
+    valid = np.maximum((e >= 0).sum(axis=1), 1)
+    return float(np.mean(found / valid))
+
+
+# -- searching -------------------------------------------------------------------------------
+class Searcher:
+    """Top-k search over the train keys, by a FAISS index or exactly in torch.
+
+    ``search(queries [n, d], k) -> (sims float32 [n, k], ids int64 [n, k])``, higher is better
+    for every metric (l2 gives the negative squared distance); -1 / -inf mark missing results.
+    """
+
+    def __init__(self, *, metric: str, key: str, ntotal: int, d: int, index: Any = None,
+                 keys: Any = None, device: str = "cpu", chunk: int = 65536,
+                 manifest: dict | None = None):
+        check_metric(metric)
+        self.metric, self.key, self.ntotal, self.d = metric, key, int(ntotal), int(d)
+        self.index, self.keys, self.device, self.chunk = index, keys, device, chunk
+        self.manifest = manifest or {}
+        self.nprobe: int | None = None
+        self.rerank = 0.0
+        self._prepared: Optional[np.ndarray] = None   # keys for re-ranking, made once
+        self._cpu_index: Any = None   # set when ``index`` is on a GPU: for wider searches
+        self._warned_cpu = False
+        self.backend = "faiss" if index is not None else "exact"
+
+    @classmethod
+    def open(cls, index_dir: str | Path, nprobe: int | None = None, rerank: float | None = None,
+             device: str = "auto", keys: Any = None) -> Searcher:
+        """A searcher over a built index folder (``nprobe`` and ``rerank`` default to the
+        manifest's). Re-ranking reads ``keys``, the train features the index was built over
+        (``Searcher.for_workdir`` finds them)."""
+        manifest = read_manifest(index_dir, kind="index")
+        index = faiss.read_index(str(Path(index_dir) / manifest["index_file"]))
+        nprobe = int(manifest["nprobe"] if nprobe is None else nprobe)
+        if nprobe < 1:
+            raise ValueError(f"nprobe must be >= 1 (got {nprobe}).")
+        rerank = float(manifest.get("rerank", 0.0) if rerank is None else rerank)
+        if rerank and keys is None:
+            raise ValueError(f"The index at {index_dir} re-ranks with the stored keys "
+                             f"(rerank={rerank}): open it with Searcher.for_workdir, or pass "
+                             f"keys, or rerank=0.")
+        if rerank and (rerank < 1 or tuple(keys.shape) != (index.ntotal, index.d)):
+            raise ValueError(f"rerank must be 0 or >= 1 with keys [{index.ntotal}, {index.d}] "
+                             f"(got rerank={rerank}, keys {tuple(keys.shape)}).")
+        set_nprobe(index, nprobe)
+        searcher = cls(metric=manifest["metric"], key=manifest["key"], ntotal=index.ntotal,
+                       d=index.d, index=index, keys=keys, device="cpu", manifest=manifest)
+        searcher.nprobe, searcher.rerank = nprobe, rerank
+        if faiss_device(device) == "cuda":
+            gpu = int(str(device).split(":")[1]) if ":" in str(device) else 0
+            try:
+                searcher._cpu_index = index
+                searcher.index = to_gpu(index, gpu)
+                set_nprobe(searcher.index, min(nprobe, GPU_MAX_K))
+                searcher.device = f"cuda:{gpu}"
+            except RuntimeError as err:  # e.g. a PQ code size the GPU kernels lack
+                warnings.warn(f"faiss-gpu could not take {manifest['factory']} ({err}); "
+                              f"searching on CPU.", stacklevel=2)
+                searcher.index, searcher._cpu_index = index, None
+        return searcher
+
+    @classmethod
+    def for_workdir(cls, workdir: Workdir, key: str, metric: str, device: str = "auto",
+                    **settings: Any) -> Searcher:
+        """The index of ``key`` under ``metric`` with its train keys (for re-ranking)."""
+        manifest, arrays = open_features(workdir.features("train"))
+        check_key(manifest, key)
+        return cls.open(workdir.index(key, metric), device=device, keys=arrays[key],
+                        **settings)
+
+    @classmethod
+    def exact(cls, workdir: Workdir, key: str = "final", metric: str = "cos",
+              device: str = "auto", chunk: int = 65536) -> Searcher:
+        """Exact search in torch over the stored train keys (the exact-neighbours ablation).
+
+        On CUDA the float16 keys are copied to the GPU once when they fit in half the free
+        memory; otherwise they stream from the memmap chunk by chunk.
+        """
+        check_metric(metric)
+        manifest, arrays = open_features(workdir.features("train"))
+        check_key(manifest, key)
+        keys = arrays[key]
+        on = torch_device(device)
+        if on.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(on)
+            if keys.nbytes < free // 2:
+                keys = torch.from_numpy(np.ascontiguousarray(keys)).to(on)
+        return cls(metric=metric, key=key, ntotal=keys.shape[0], d=keys.shape[1], keys=keys,
+                   device=str(on), chunk=chunk,
+                   manifest={"base_lm": manifest["base_lm"], "features": manifest["fingerprint"],
+                             "key": key, "metric": metric, "factory": "exact"})
+
+    def check(self, queries: Any, k: int) -> None:
+        shape = tuple(queries.shape)
+        if len(shape) != 2 or shape[1] != self.d:
+            raise ValueError(f"queries have dimension {shape[-1] if shape else None} (shape "
+                             f"{shape}) but the {self.key!r} keys of this datastore have "
+                             f"dimension {self.d}: query with features of the same key type "
+                             f"from the base LM that made the datastore.")
+        if not 1 <= k <= self.ntotal:
+            raise ValueError(f"k must be between 1 and the datastore size {self.ntotal} "
+                             f"(got {k}): lower k (neighbors.K) or build a larger datastore.")
+
+    def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        self.check(queries, k)
+        if self.index is None:
+            return exact_search(self.keys, queries, k, self.metric, self.device, self.chunk)
+        if self.metric == "cos":  # a copy: never normalise the caller's array in place
+            q = normalize_rows(np.array(queries, dtype=np.float32, copy=True, order="C"))
+        else:
+            q = _as_float32(queries)
+        width = candidate_width(k, self.rerank, self.ntotal)
+        index = self.index
+        if self._cpu_index is not None and not fits_gpu(k, self.nprobe, self.rerank,
+                                                        self.ntotal):
+            # GPU faiss refuses this width (or nprobe): the CPU copy (same index, same settings)
+            # serves it many times slower, so say so once rather than leave it unexplained.
+            index = self._cpu_index
+            if not self._warned_cpu:
+                self._warned_cpu = True
+                warnings.warn(f"This search asks the index for {width} candidates (k={k}, "
+                              f"rerank={self.rerank}) at nprobe={self.nprobe}, but GPU faiss "
+                              f"allows at most {GPU_MAX_K} of each: it runs on the CPU copy of "
+                              f"the index, much slower. Lower neighbors.K, "
+                              f"rerank or nprobe, or keep the index's tuned ones ('auto').",
+                              stacklevel=2)
+        dist, ids = index.search(q, width)                             # [n, width] each
+        ids = ids.astype(np.int64, copy=False)
+        if self.rerank:
+            if self._prepared is None and self.keys.nbytes * 2 <= RERANK_RAM_BYTES:
+                self._prepared = prepare_keys(self.keys, self.metric)  # once per searcher
+            if self._prepared is not None:
+                return rerank(queries, ids, self._prepared, self.metric, k, prepared=True)
+            return rerank(queries, ids, self.keys, self.metric, k)
+        sims = -dist if self.metric == "l2" else dist
+        sims[ids < 0] = -np.inf  # faiss pads with ±FLT_MAX
+        return sims.astype(np.float32, copy=False), ids
+
+
+_GPU_RESOURCES: dict[int, Any] = {}
+
+
+def to_gpu(index: faiss.Index, gpu: int = 0) -> faiss.Index:
+    """A copy of a CPU faiss index on GPU ``gpu`` (one resources object per GPU and process)."""
+    if gpu not in _GPU_RESOURCES:
+        _GPU_RESOURCES[gpu] = faiss.StandardGpuResources()
+    return faiss.index_cpu_to_gpu(_GPU_RESOURCES[gpu], gpu, index)
+
+
+def set_nprobe(index: faiss.Index, nprobe: int) -> None:
+    if faiss.try_extract_index_ivf(index) is not None:
+        faiss.ParameterSpace().set_index_parameter(index, "nprobe", int(nprobe))
+
+
+def faiss_metric(metric: str) -> int:
+    check_metric(metric)
+    return faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+
+
+def similarity(queries: Any, keys: Any, metric: str) -> torch.Tensor:
+    """Similarity of ``queries`` [..., d] and ``keys`` [..., d] along the last dim, broadcast
+    over the leading dims (e.g. [n, 1, d] with [n, K, d] -> [n, K]); float32, higher is better."""
+    check_metric(metric)
+    q, k = _float_tensor(queries), _float_tensor(keys)
+    if metric == "cos":
+        q, k = F.normalize(q, dim=-1, eps=1e-12), F.normalize(k, dim=-1, eps=1e-12)
+    if metric == "l2":
+        return -((q - k) ** 2).sum(-1)
+    return (q * k).sum(-1)
+
+
+# keys re-ranked from RAM as float32 (unit rows for cos) when they take at most this many bytes
+RERANK_RAM_BYTES = 4 << 30
+
+
+def prepare_keys(keys: Any, metric: str, chunk: int = 1 << 20) -> np.ndarray:
+    """``keys`` as float32 in RAM, L2-normalised for cos: what ``rerank(prepared=True)`` reads
+    (no conversion or norm per candidate)."""
+    out = np.empty(keys.shape, dtype=np.float32)
+    for start in range(0, len(out), chunk):
+        block = np.asarray(keys[start:start + chunk], dtype=np.float32)
+        out[start:start + chunk] = normalize_rows(block) if metric == "cos" else block
+    return out
+
+
+def rerank(queries: Any, ids: np.ndarray, keys: Any, metric: str, k: int,
+           max_elems: int = 1 << 24, prepared: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of candidate ``ids`` [n, R] (-1: none) by exact similarity to ``queries``
+    [n, d], from the stored ``keys`` (or from ``prepare_keys(keys)`` with ``prepared``):
+    ``(sims float32 [n, k], ids int64 [n, k])``, best first."""
+    check_metric(metric)
+    n, R = ids.shape
+    d = int(keys.shape[1])
+    source = np.asarray(keys)  # a memmap's pages, no copy
+    out_s = np.full((n, k), -np.inf, dtype=np.float32)
+    out_i = np.full((n, k), -1, dtype=np.int64)
+    step = max(1, max_elems // max(1, R * d))
+    for r0 in range(0, n, step):
+        cand = ids[r0:r0 + step]                                       # [b, R]
+        b = cand.shape[0]
+        rows = torch.from_numpy(np.take(source, np.maximum(cand, 0).ravel(), axis=0))
+        keys_b = rows.view(b, R, d).float()                            # [b, R, d]
+        q = _float_tensor(queries[r0:r0 + step])                       # [b, d]
+        if metric == "cos":
+            q = F.normalize(q, dim=1, eps=1e-12)
+        sims = torch.bmm(keys_b, q[:, :, None]).squeeze(-1)           # [b, R]
+        if metric == "cos" and not prepared:
+            sims /= keys_b.norm(dim=-1).clamp_min(1e-12)
+        elif metric == "l2":
+            sims = (2 * sims - (q * q).sum(-1, keepdim=True)
+                    - (keys_b * keys_b).sum(-1)).clamp_(max=0.0)
+        sims = sims.masked_fill(torch.from_numpy(cand < 0), -math.inf)
+        top_s, top = sims.topk(min(k, R), dim=1)
+        out_s[r0:r0 + step, :top.shape[1]] = top_s.numpy()
+        out_i[r0:r0 + step, :top.shape[1]] = np.take_along_axis(cand, top.numpy(), axis=1)
+    out_i[np.isneginf(out_s)] = -1
+    return out_s, out_i
+
+
+def rescore(queries: Any, ids: np.ndarray, keys: Any, metric: str,
+            max_elems: int = 1 << 24) -> np.ndarray:
+    """Exact float32 similarities [n, K] of ``queries`` [n, d] to the keys at ``ids`` [n, K]
+    (-1: -inf), in the given neighbour order ("real score" of Xu et al. §5.1)."""
+    n, K = ids.shape
+    d = int(keys.shape[1])
+    out = np.full((n, K), -np.inf, dtype=np.float32)
+    step = max(1, max_elems // max(1, K * d))
+    for r0 in range(0, n, step):
+        rows = np.asarray(ids[r0:r0 + step], dtype=np.int64)           # [b, K]
+        valid = rows >= 0
+        # Gather each distinct key once, in increasing order (sequential memmap reads).
+        uniq, inverse = np.unique(rows[valid], return_inverse=True)
+        gathered = np.zeros(rows.shape + (d,), dtype=np.float32)       # [b, K, d]
+        gathered[valid] = np.asarray(keys[uniq], dtype=np.float32)[inverse]
+        q = np.asarray(queries[r0:r0 + step], dtype=np.float32)[:, None, :]  # [b, 1, d]
+        scores = similarity(q, gathered, metric).numpy()               # [b, K]
+        out[r0:r0 + step] = np.where(valid, scores, -np.inf)
+    return out

@@ -1,0 +1,110 @@
+"""The work directory: the one owner of every artifact's path.
+
+Stages take a ``Workdir`` and say which split, key type and similarity they mean; nothing else
+in the package joins path pieces. The layout, in pipeline order::
+
+    tokens/                               token streams + tokenizer (gnnlm.text.tokens)
+    models/<name>/                        trained models: base_lm, gnn, spalm, ...
+                                          (gnnlm.pipeline.runner)
+    features/<split>/                     final/att features, targets, log p_LM
+                                          (gnnlm.retrieval.features)
+    features/output_embedding/            the base LM's W, b (heads on frozen features read it)
+    index/<key>-<metric>/                 FAISS index over train keys (gnnlm.retrieval.index)
+    neighbors/<key>-<metric>/<split>/     top-K ids and similarities (gnnlm.retrieval.neighbors)
+    knn_cache/<key>-<metric>-<scores>/<split>/  per-token kNN-LM inputs (gnnlm.retrieval.knn_cache)
+    pq/<key>/                             PQ codes of train features (gnnlm.gnn.pq)
+    ablations/                            Xu et al. ablation table (gnnlm.pipeline.ablations)
+    logs/<name>/                          Lightning logs of trained models
+    reports/<name>/                       results.json, results.md, plots (gnnlm.pipeline.report)
+
+A work directory can be moved or named by a relative path: manifests identify their inputs by
+content fingerprints, never by absolute paths.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gnnlm.workdir.artifacts import read_manifest
+
+SPLITS = ("train", "valid", "test")
+EVAL_SPLITS = ("valid", "test")
+
+
+def retrieval_tag(key: str, metric: str) -> str:
+    """The name of an index and its neighbours: the key type and the similarity."""
+    return f"{key}-{metric}"
+
+
+class Workdir:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"Workdir({str(self.root)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    # -- artifacts, in pipeline order ------------------------------------------------------
+    @property
+    def tokens(self) -> Path:
+        return self.root / "tokens"
+
+    def model(self, name: str) -> Path:
+        """A trained model's folder: the base LM, a head, a Transformer-XL comparison."""
+        return self.root / "models" / name
+
+    @property
+    def base_lm_checkpoint(self) -> Path:
+        """Where the pipeline keeps a base LM it trained itself."""
+        return self.model("base_lm") / "model.ckpt"
+
+    def features(self, split: str) -> Path:
+        return self.root / "features" / split
+
+    @property
+    def output_embedding(self) -> Path:
+        return self.root / "features" / "output_embedding"
+
+    def index(self, key: str, metric: str) -> Path:
+        return self.root / "index" / retrieval_tag(key, metric)
+
+    def neighbors(self, key: str, metric: str, split: str) -> Path:
+        return self.root / "neighbors" / retrieval_tag(key, metric) / split
+
+    def knn_cache(self, key: str, metric: str, scores: str, split: str) -> Path:
+        return self.root / "knn_cache" / f"{retrieval_tag(key, metric)}-{scores}" / split
+
+    def pq(self, key: str) -> Path:
+        return self.root / "pq" / key
+
+    @property
+    def ablations(self) -> Path:
+        return self.root / "ablations"
+
+    def logs(self, name: str) -> Path:
+        return self.root / "logs" / name
+
+    def report(self, name: str) -> Path:
+        return self.root / "reports" / name
+
+    # -- what the manifests say --------------------------------------------------------------
+    def features_manifest(self, split: str) -> dict:
+        return read_manifest(self.features(split), kind="features")
+
+    def n_positions(self, split: str) -> int:
+        return int(self.features_manifest(split)["n"])
+
+    def resolve(self, path: str | os.PathLike) -> Path:
+        """A path recorded relative to the work directory (absolute paths stay as they are)."""
+        path = Path(path)
+        return path if path.is_absolute() else self.root / path
+
+    def relative(self, path: str | os.PathLike) -> str:
+        """``path`` relative to the work directory when it lies inside it (for manifests)."""
+        path = Path(path).resolve()
+        try:
+            return str(path.relative_to(self.root.resolve()))
+        except ValueError:
+            return str(path)
