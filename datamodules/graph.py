@@ -53,15 +53,15 @@ class GraphBlocks(Dataset):
     evaluation only)."""
 
     def __init__(self, workdir: Workdir, split: str, key: str, metric: str, node_features,
-                 block_size: int, graph: GraphConfig, leakage_context: Optional[int],
+                 block_size: int, graph: GraphConfig, leakage_window: Optional[int],
                  max_tokens: Optional[int] = None):
-        if node_features is None and leakage_context:
+        if node_features is None and leakage_window:
             raise ValueError("Blocks without window nodes are evaluation blocks: the leakage "
                              "rule of train graphs drops nodes per token.")
         self.workdir, self.split, self.key = workdir, split, key
         self.node_features, self.block_size, self.graph = node_features, block_size, graph
         # 0 masks nothing (the no-masking ablation): recorded as None, no rule at all
-        self.leakage_context = leakage_context if leakage_context else None
+        self.leakage_window = leakage_window if leakage_window else None
         self.n_train = workdir.n_positions("train")
         self.nbr_dir = workdir.neighbors(key, metric, split)
         nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
@@ -92,7 +92,7 @@ class GraphBlocks(Dataset):
         if self.node_features is None:
             data = build_context_graph(ctx_pos, nbr_ids, self.n_train, self.graph)
         else:
-            data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.leakage_context)
+            data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.leakage_window)
             data["nbr"].x = torch.from_numpy(self.node_features(data["nbr"].train_pos.numpy()))
         data["ctx"].x = torch.from_numpy(np.asarray(ctx_feats[ctx_pos], dtype=np.float32))
         data["ctx"].y = torch.from_numpy(np.asarray(targets[ctx_pos], dtype=np.int64))

@@ -13,7 +13,7 @@ import pytest
 
 from gnnlm.pipeline.ablations import (
     ABLATIONS_VERSION,
-    AblationStage,
+    AblationConfig,
     Evaluator,
     outdated,
     run_ablations,
@@ -26,7 +26,7 @@ from gnnlm.workdir.artifacts import ArtifactBuilder
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
 
 GRID = ([4, 16, 32], [0.05, 0.1, 0.3, 1.0], [0.0, 0.1, 0.25, 0.5])
-STAGE = AblationStage(enabled=True, eval_tokens=200, metrics=["cos", "l2"], subsample=[0.5, 1.0],
+STAGE = AblationConfig(enabled=True, eval_tokens=200, metrics=["cos", "l2"], subsample=[0.5, 1.0],
                       device="cpu")
 INDEX = "IVF8,PQ4x4np"
 RERANKED = "kNN-LM, key final, cos: IVF8,PQ4x4np neighbours (nprobe 2, re-ranked 2x) + exact scores"

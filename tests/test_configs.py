@@ -75,7 +75,7 @@ def fit_chains() -> list[list[str]]:
                 merged[section] = ({**merged.get(section, {}), **value}
                                    if isinstance(value, dict) else value)
         named = [merged.get(s, {}).get("config") for s in ("base_lm", "gnn", "spalm",
-                                                            "spalm_finetune")]
+                                                            "spalm_ft")]
         named += [merged.get("ablations", {}).get("memory_lm"),
                   *merged.get("learned_wds", {}).get("configs", [])]
         chains |= {tuple(yaml_list(c)) for c in named if c}

@@ -225,7 +225,7 @@ def test_a_leakage_window_of_zero_masks_no_train_graph(work, tmp_path):
                              num_workers=0, node_features="raw", leakage_window=given)
         assert dm.leakage_window is None
         data = dm.dataset("train")
-        assert data.leakage_context is None
+        assert data.leakage_window is None
         ids = np.asarray(open_array(Workdir(root).neighbors("final", "cos", "train"), "ids"))
         for i in range(len(data)):
             g = data[i]

@@ -153,7 +153,7 @@ def test_explain_on_an_unbuilt_work_directory_names_the_pipeline_and_creates_not
 
 
 SECTIONS = ["name", "workdir", "base_lm", "corpus", "features", "index", "neighbors", "knn", "pq",
-            "gnn", "spalm", "spalm_finetune", "transformer", "transformer_xl", "spalm_xl",
+            "gnn", "spalm", "spalm_ft", "transformer", "transformer_xl", "spalm_xl",
             "spalm_xl_variant", "learned_wds", "ablations", "rebuild"]
 
 

@@ -15,14 +15,14 @@ from gnnlm.gnn.layer import GNNStack
 D_MODEL = 16
 
 
-def batch_of_graphs(cfg: GraphConfig, leakage_context=None, seed=0, dtype=torch.float64):
+def batch_of_graphs(cfg: GraphConfig, leakage_window=None, seed=0, dtype=torch.float64):
     rng = np.random.default_rng(seed)
     graphs = []
     for start, T in ((100, 7), (130, 5), (160, 1)):                  # a short last block
         ids = rng.integers(0, 200, (T, 9))
         ids[rng.random((T, 9)) < 0.3] = -1                            # missing neighbours
         ids[0, :3] = [0, 199, start + 1]                              # clipped, and leaky
-        g = build_graph(np.arange(start, start + T), ids, 200, cfg, leakage_context)
+        g = build_graph(np.arange(start, start + T), ids, 200, cfg, leakage_window)
         g["ctx"].x = torch.randn(T, D_MODEL, dtype=dtype)
         g["nbr"].x = torch.randn(g["nbr"].num_nodes, D_MODEL, dtype=dtype)
         graphs.append(g)
@@ -91,7 +91,7 @@ def test_dense_equals_message_passing(inter, norm, edge_aggr, ctx_window, contex
 
 def test_gradients_equal_message_passing():
     cfg = GraphConfig(k=3)
-    batch = batch_of_graphs(cfg, leakage_context=4)
+    batch = batch_of_graphs(cfg, leakage_window=4)
     for x in (batch["ctx"].x, batch["nbr"].x):
         x.requires_grad_(True)
     mp, dense = (stack.train() for stack in two_paths("pre", "sum"))  # dropout 0: deterministic

@@ -94,17 +94,17 @@ def test_leakage_rule_hand_worked():
     # 12, so it stays. Token 1 (target 12) retrieved 14, which has read 12: it is skipped for the
     # next stored neighbour, 3 (window 2 3 4). A node q leaks to a later token too: token 0's
     # retrieved 13 (reads 11..13, reaches targets 11 and 12) is skipped for 9.
-    data = build_graph([11, 12], [[13, 9], [14, 3]], 20, GraphConfig(k=1), leakage_context=2)
+    data = build_graph([11, 12], [[13, 9], [14, 3]], 20, GraphConfig(k=1), leakage_window=2)
     assert data["nbr"].train_pos.tolist() == [8, 9, 10, 2, 3, 4]
     assert data["nbr"].owner_local.tolist() == [0, 0, 0, 1, 1, 1]
     assert (data.windows_masked, data.nodes_masked) == (2, 0)
     # window mates are dropped alone: the token with target 5 retrieved 4 (reads 1..4, kept);
     # its mate 5 is the target itself and is dropped, its mate 3 stays
-    data = build_graph([5], [[4]], 10, GraphConfig(k=1), leakage_context=3)
+    data = build_graph([5], [[4]], 10, GraphConfig(k=1), leakage_window=3)
     assert data["nbr"].train_pos.tolist() == [3, 4]
     assert (data.windows_masked, data.nodes_masked) == (0, 1)
     assert edge_set(data, NBR_INTRA) == {(0, 0), (1, 1), (0, 1), (1, 0)}
-    # valid/test graphs (leakage_context None) keep everything
+    # valid/test graphs (leakage_window None) keep everything
     data = build_graph([5], [[4]], 10, GraphConfig(k=1))
     assert data["nbr"].train_pos.tolist() == [3, 4, 5] and data.windows_masked == 0
 
@@ -115,7 +115,7 @@ def test_a_leakage_context_of_zero_masks_nothing():
     for ctx_pos, nbr_ids, n_train in (([5], [[4]], 10), ([11, 12], [[13, 9], [14, 3]], 20),
                                       (CTX_POS, NBR_IDS, N_TRAIN)):
         cfg = GraphConfig(k=2)
-        off, none = (build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=c)
+        off, none = (build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_window=c)
                      for c in (0, None))
         assert (off.windows_masked, off.nodes_masked) == (0, 0)
         for store in ("ctx", "nbr"):
@@ -193,7 +193,7 @@ def test_random_block_matches_loop_reference(context, inter):
     ctx_pos = 20 + np.arange(T) * 2  # gaps between positions are allowed
     nbr_ids = rng.integers(0, n_train, size=(T, K))
     nbr_ids[rng.random((T, K)) < 0.2] = -1
-    data = build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=context)
+    data = build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_window=context)
 
     nbr = data["nbr"]
     names = list(zip(nbr.owner_local.tolist(), nbr.rank.tolist(), nbr.offset.tolist()))
@@ -261,7 +261,7 @@ def test_no_window_node_has_read_a_target_it_can_reach(inter, ctx_window):
     nbr_rand = rng.integers(30, 90, (12, 10))                           # many near the block
     nbr_rand[rng.random((12, 10)) < 0.1] = -1
     for ctx_pos, nbr_ids, n_train in ((CTX_SYN, NBR_SYN, 140), (ctx_rand, nbr_rand, 95)):
-        masked = build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=C_SYN)
+        masked = build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_window=C_SYN)
         assert masked["nbr"].num_nodes > 0 and reachable_leaks(masked, C_SYN) == []
         # the rule assumes a node reaches its own token and every later one: the edges agree
         # (a ctx window of 2 still chains to the end of the block)
@@ -271,12 +271,12 @@ def test_no_window_node_has_read_a_target_it_can_reach(inter, ctx_window):
             assert reach == set(range(owner, T))
         assert masked.windows_masked > 0 and masked.nodes_masked > 0
         for unmasked in (build_graph(ctx_pos, nbr_ids, n_train, cfg),
-                         build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_context=0)):
+                         build_graph(ctx_pos, nbr_ids, n_train, cfg, leakage_window=0)):
             assert len(reachable_leaks(unmasked, C_SYN)) > 0
             assert unmasked.windows_masked == unmasked.nodes_masked == 0
 
     # the known retrievals: leaky ones skipped, the clean ones kept, the leaky mate dropped alone
-    data = build_graph(CTX_SYN, NBR_SYN, 140, cfg, leakage_context=C_SYN)
+    data = build_graph(CTX_SYN, NBR_SYN, 140, cfg, leakage_window=C_SYN)
     nbr = data["nbr"]
     for i, t in enumerate(CTX_SYN):
         mine = nbr.owner_local == i
@@ -357,7 +357,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"\(got"):
         build_graph(CTX_POS, NBR_IDS, 19, GraphConfig())  # id 19 is outside the datastore
     with pytest.raises(ValueError, match=r"\(got"):
-        build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(), leakage_context=-1)
+        build_graph(CTX_POS, NBR_IDS, N_TRAIN, GraphConfig(), leakage_window=-1)
     with pytest.raises(ValueError, match=r"\(got 'all'\)"):
         GraphConfig(inter="all")
     with pytest.raises(ValueError, match="increase"):

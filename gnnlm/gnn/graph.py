@@ -24,13 +24,13 @@ split, so a valid/test query cannot meet its own text). A feature at train posit
 computed from the C tokens before its target and predicts target q, so it has read, or is, the
 target of every position t with q − C ≤ t ≤ q. Information flows nbr → ctx (inter edges) and
 ctx j → ctx i for j ≤ i (causal edges), so a window node retrieved by ctx token j reaches j and,
-one hop further, every later token of the block. ``build_graph(..., leakage_context=C)`` therefore
+one hop further, every later token of the block. ``build_graph(..., leakage_window=C)`` therefore
 drops every window node q that has read the target t_i of any ctx token i ≥ j it can reach:
 ∃ i ≥ j with q − C ≤ t_i ≤ q. Retrieved tokens that fall under this rule are skipped and the
 next of the K stored neighbours take their place, so a token keeps k windows when it can; window
 mates that fall under it are dropped alone, and only nodes adjacent in position and both present
 are joined. (With ``ctx_window`` or a single layer the reach is smaller and the rule is
-conservative.) ``leakage_context=0`` masks nothing, as ``neighbors.leakage_window: 0`` does for
+conservative.) ``leakage_window=0`` masks nothing, as ``neighbors.leakage_window: 0`` does for
 the neighbour files (an ablation only): the graph drops and replaces no node.
 
 Evaluation can leave the windows out (``build_context_graph``). Edges go nbr → nbr inside one
@@ -163,7 +163,7 @@ def select_neighbors(nbr_ids: np.ndarray, k: int, keep: Optional[np.ndarray] = N
 
 
 def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
-                leakage_context: Optional[int] = None) -> HeteroData:
+                leakage_window: Optional[int] = None) -> HeteroData:
     """The graph of one block of T target tokens.
 
     Args:
@@ -173,7 +173,7 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
             ``config.k`` usable ones are used.
         n_train: train datastore size; windows are clipped to [0, n_train).
         config: window sizes, k, the ctx window and the inter edges.
-        leakage_context: C for train-split graphs (the context length the features were
+        leakage_window: C for train-split graphs (the context length the features were
             computed with): drop every node that has read a reachable ctx token's target (see
             the module docstring). None for valid/test graphs; 0 (the no-masking ablation)
             masks nothing either.
@@ -189,11 +189,11 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
     _check_block(ctx_pos, nbr_ids, n_train)
     T = ctx_pos.shape[0]
-    if leakage_context is not None and leakage_context < 0:
-        raise ValueError(f"leakage_context must be >= 0 or None (got {leakage_context}).")
+    if leakage_window is not None and leakage_window < 0:
+        raise ValueError(f"leakage_window must be >= 0 or None (got {leakage_window}).")
     # None (valid/test) and 0 (neighbors.leakage_window: 0, the no-masking ablation) mask
     # nothing: 0 is not a rule with C = 0, which would still drop every reachable target
-    C = leakage_context or 0
+    C = leakage_window or 0
 
     # the k windows per token: retrieved tokens that leak are skipped for the next ones
     rows = np.arange(T)[:, None]

@@ -53,7 +53,7 @@ ABLATIONS_VERSION = 2
 
 
 @dataclass
-class AblationStage:
+class AblationConfig:
     """``enabled`` turns the ablation table on; ``memory_lm`` (``gnnlm fit`` YAMLs of a
     Transformer-XL base LM) adds the memory on/off rows."""
     enabled: bool = False
@@ -114,7 +114,7 @@ def row_label(key: str, metric: str, facts: dict) -> str:
 class Evaluator:
     """Shared inputs of the ablations: the valid/test prefixes, the train datastore, the grid."""
 
-    def __init__(self, workdir: Workdir, key: str, stage: AblationStage, grid: tuple, K: int):
+    def __init__(self, workdir: Workdir, key: str, stage: AblationConfig, grid: tuple, K: int):
         self.workdir, self.key, self.stage, self.grid, self.K = workdir, key, stage, grid, K
         _, self.train = open_features(workdir.features("train"))
         self.train_targets = np.asarray(self.train["targets"])
@@ -178,7 +178,7 @@ class Evaluator:
         return caches
 
 
-def run_ablations(stage: AblationStage, workdir: Workdir, keys: list[str], metric: str,
+def run_ablations(stage: AblationConfig, workdir: Workdir, keys: list[str], metric: str,
                   scores: str, grid: tuple, out_dir: Path) -> dict:
     """The ablation table and curves from the pipeline's kNN caches (``scores`` scores) of
     ``keys`` under ``metric``; the first key is the one every other row uses. Rows are labelled

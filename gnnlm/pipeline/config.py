@@ -33,7 +33,7 @@ from gnnlm.gnn.pq import PQConfig
 from gnnlm.models import is_hf
 from gnnlm.models.base import FEATURE_KEYS
 from gnnlm.models.hf import DEFAULT_CONTEXT, DTYPES, check_keys
-from gnnlm.pipeline.ablations import AblationStage
+from gnnlm.pipeline.ablations import AblationConfig
 from gnnlm.retrieval.index import IndexConfig
 from gnnlm.retrieval.knn import (
     DEFAULT_KS,
@@ -121,7 +121,7 @@ def merged_texts(texts: list[str]) -> dict:
 
 
 @dataclass
-class BaseLMStage:
+class BaseLMConfig:
     """``ckpt``: a ``gnnlm fit`` checkpoint or ``hf:<name-or-folder>``; when None the base LM is
     trained with ``config`` (``gnnlm fit`` YAMLs) into ``models/base_lm`` of the work dir.
 
@@ -152,7 +152,7 @@ class BaseLMStage:
 
 
 @dataclass
-class CorpusStage:
+class CorpusConfig:
     """The corpus and tokenizer of the whole run: the datastore, the heads and the report all
     read its tokens, and the base LM must have been trained on the same token ids.
 
@@ -199,7 +199,7 @@ def tokenizer_settings(value: Any) -> dict:
 
 
 @dataclass
-class FeaturesStage:
+class FeaturesConfig:
     """Sliding-window protocol (defaults: the base LM's context, at most 1,024 tokens for a
     Hugging Face model, whose own can be 128k; stride context/2)."""
     context: Optional[int] = None
@@ -226,7 +226,7 @@ class FeaturesStage:
 
 
 @dataclass
-class KNNStage:
+class KNNConfig:
     """Keys to compare (the first is the primary: its train neighbours feed the heads, and the
     headline kNN-LM and GNN+kNN rows use it), the similarity, the (k, T, λ) grid fitted on
     valid, and FAISS or exact recomputed scores. ``temperatures`` defaults to a grid that
@@ -272,13 +272,13 @@ class KNNStage:
 
 
 @dataclass
-class HeadStage:
+class HeadConfig:
     """A head trained with ``gnnlm fit`` YAMLs (None: the row is skipped)."""
     config: YAMLs = None
 
 
 @dataclass
-class LearnedWdsStage:
+class LearnedWdsConfig:
     """Learned W_ds heads (Xu et al. §4.1–4.2), one row each: ``configs`` are ``gnnlm fit``
     configs of ``LearnedDatastoreLM`` (e.g. n = 1 and n = 3 embeddings per word). The first is
     the ``learned_wds`` row, the others ``learned_wds[n=…]``."""
@@ -298,25 +298,25 @@ class LearnedWdsStage:
 class PipelineConfig:
     name: str = "wikitext2"
     workdir: str = "runs/wikitext2"
-    base_lm: BaseLMStage = field(default_factory=BaseLMStage)
-    corpus: Optional[CorpusStage] = None
-    features: FeaturesStage = field(default_factory=FeaturesStage)
+    base_lm: BaseLMConfig = field(default_factory=BaseLMConfig)
+    corpus: Optional[CorpusConfig] = None
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     neighbors: NeighborsConfig = field(default_factory=NeighborsConfig)
-    knn: KNNStage = field(default_factory=KNNStage)
+    knn: KNNConfig = field(default_factory=KNNConfig)
     pq: PQConfig = field(default_factory=PQConfig)
-    gnn: HeadStage = field(default_factory=HeadStage)
-    spalm: HeadStage = field(default_factory=HeadStage)
-    spalm_finetune: HeadStage = field(default_factory=HeadStage)
+    gnn: HeadConfig = field(default_factory=HeadConfig)
+    spalm: HeadConfig = field(default_factory=HeadConfig)
+    spalm_ft: HeadConfig = field(default_factory=HeadConfig)
     # SPALM trained end to end (SpalmXL) and its baselines on the same segments
-    transformer: HeadStage = field(default_factory=HeadStage)
-    transformer_xl: HeadStage = field(default_factory=HeadStage)
-    spalm_xl: HeadStage = field(default_factory=HeadStage)
+    transformer: HeadConfig = field(default_factory=HeadConfig)
+    transformer_xl: HeadConfig = field(default_factory=HeadConfig)
+    spalm_xl: HeadConfig = field(default_factory=HeadConfig)
     # the same SPALM with options the paper does not have (a gate bias, a memory scale): its
     # own row, labelled with them, beside the paper's form
-    spalm_xl_variant: HeadStage = field(default_factory=HeadStage)
-    learned_wds: LearnedWdsStage = field(default_factory=LearnedWdsStage)
-    ablations: AblationStage = field(default_factory=AblationStage)
+    spalm_xl_variant: HeadConfig = field(default_factory=HeadConfig)
+    learned_wds: LearnedWdsConfig = field(default_factory=LearnedWdsConfig)
+    ablations: AblationConfig = field(default_factory=AblationConfig)
     rebuild: Union[bool, list[str]] = False
 
     def rebuilds(self, stage: str) -> bool:
@@ -332,7 +332,7 @@ class PipelineConfig:
         """Trained heads by report row: ``gnn``, ``spalm``, ``spalm_ft``, ``transformer``,
         ``transformer_xl``, ``spalm_xl``, ``spalm_xl_variant``, ``learned_wds…``."""
         rows = {"gnn": yaml_list(self.gnn.config), "spalm": yaml_list(self.spalm.config),
-                "spalm_ft": yaml_list(self.spalm_finetune.config),
+                "spalm_ft": yaml_list(self.spalm_ft.config),
                 "transformer": yaml_list(self.transformer.config),
                 "transformer_xl": yaml_list(self.transformer_xl.config),
                 "spalm_xl": yaml_list(self.spalm_xl.config),
@@ -382,7 +382,7 @@ CORPUS_ARGS = {"name": "corpus", "path": "corpus_path", "data_dir": "data_dir"}
 
 
 def _check_corpus(cfg: PipelineConfig, files: Sequence[str]) -> None:
-    """One corpus and tokenizer for the whole run (the rule is in ``CorpusStage``)."""
+    """One corpus and tokenizer for the whole run (the rule is in ``CorpusConfig``)."""
     from gnnlm.models import is_hf
 
     ckpt = cfg.base_lm.ckpt
@@ -394,7 +394,7 @@ def _check_corpus(cfg: PipelineConfig, files: Sequence[str]) -> None:
         _check_checkpoint_corpus(cfg.corpus, ckpt, files)
 
 
-def _check_trained_corpus(corpus: CorpusStage, paths: list[str], files: Sequence[str]) -> None:
+def _check_trained_corpus(corpus: CorpusConfig, paths: list[str], files: Sequence[str]) -> None:
     """The base LM trained here reads the pipeline's corpus: a field its config's data section
     also sets must agree with it."""
     layers = [(merged_yaml([p]).get("data") or {}).get("init_args") or {} for p in paths]
@@ -425,7 +425,7 @@ def _check_trained_corpus(corpus: CorpusStage, paths: list[str], files: Sequence
                          f"{fix('tokenizer')}")
 
 
-def _check_checkpoint_corpus(corpus: CorpusStage, ckpt: str, files: Sequence[str]) -> None:
+def _check_checkpoint_corpus(corpus: CorpusConfig, ckpt: str, files: Sequence[str]) -> None:
     """A ``gnnlm fit`` checkpoint names the corpus and tokenizer it was trained on."""
     from gnnlm.workdir.checkpoints import datamodule_args
 
@@ -468,7 +468,7 @@ def _split_files(name: str, path: Optional[str], data_dir: Optional[str]
     return tuple(os.path.realpath(files[split]) for split in sorted(files))
 
 
-def _same_corpus(corpus: CorpusStage, name: str, path: Optional[str], data_dir: Optional[str],
+def _same_corpus(corpus: CorpusConfig, name: str, path: Optional[str], data_dir: Optional[str],
                  fields: list[str], found_only: bool = False) -> bool:
     """Whether two corpus settings read the same split files; where either is not found on this
     machine, whether the ``fields`` agree (``found_only``: then they count as the same, and the
@@ -483,11 +483,11 @@ def _same_corpus(corpus: CorpusStage, name: str, path: Optional[str], data_dir: 
     return all(getattr(corpus, f) == given[f] for f in fields)
 
 
-def _ours(corpus: CorpusStage, files: Sequence[str],
+def _ours(corpus: CorpusConfig, files: Sequence[str],
           fields: Sequence[str] = ("name", "path", "data_dir")) -> str:
     """The pipeline's corpus fields and where each was set: the last pipeline YAML that sets it
     to this value, the command line, or the default."""
-    default = CorpusStage()
+    default = CorpusConfig()
     shown = []
     for name in fields:
         value = getattr(corpus, name)
@@ -684,7 +684,7 @@ SECTIONS = {
     "pq": "PQ codes of the train features, which GNN-LM's window nodes may read",
     "gnn": "the GNN-LM head: `config` lists its `gnnlm fit` YAMLs (unset: no row)",
     "spalm": "SPALM's gate on the frozen base LM (`config`: its `gnnlm fit` YAMLs)",
-    "spalm_finetune": "SPALM's gate with the base LM's last block and final norm fine-tuned",
+    "spalm_ft": "SPALM's gate with the base LM's last block and final norm fine-tuned",
     "transformer": "the SPALM comparison's transformer row: segments alone, no memory",
     "transformer_xl": "the SPALM comparison's Transformer-XL row: short-term memory only",
     "spalm_xl": "SPALM trained end to end: a Transformer-XL LM gated with retrieved tokens",
@@ -776,9 +776,9 @@ def section_help(prog: str, name: str) -> str:
     from dataclasses import MISSING
 
     spec = PipelineConfig.__dataclass_fields__[name]
-    cls = {c.__name__: c for c in (BaseLMStage, CorpusStage, FeaturesStage, IndexConfig,
-                                   NeighborsConfig, KNNStage, PQConfig, HeadStage,
-                                   LearnedWdsStage, AblationStage)
+    cls = {c.__name__: c for c in (BaseLMConfig, CorpusConfig, FeaturesConfig, IndexConfig,
+                                   NeighborsConfig, KNNConfig, PQConfig, HeadConfig,
+                                   LearnedWdsConfig, AblationConfig)
            }.get(str(spec.type).removeprefix("Optional[").removesuffix("]"))
     lines = [f"{name}: {SECTIONS[name]}", ""]
     if cls is None:  # a plain setting

@@ -21,7 +21,7 @@ from gnnlm.gnn.pq import build_pq
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
 from gnnlm.pipeline.ablations import ABLATIONS_VERSION, neighbours_label, outdated, run_ablations
-from gnnlm.pipeline.config import CorpusStage, PipelineConfig, load_config, merged_yaml, yaml_list
+from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, merged_yaml, yaml_list
 from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
 from gnnlm.retrieval.features import build_all_features
 from gnnlm.retrieval.index import build_index
@@ -41,7 +41,7 @@ def stage_base_lm(cfg: PipelineConfig, workdir: Workdir) -> tuple[BaseLM, TokenS
     model's manifest, and where the LM is (relative to the work directory when inside it).
 
     A base LM trained here with the pipeline's ``corpus:`` section is trained on that corpus
-    (``CorpusStage``): the tokens are built first, the section is passed to ``gnnlm fit``, and
+    (``CorpusConfig``): the tokens are built first, the section is passed to ``gnnlm fit``, and
     the tokens' fingerprint is an input of the trained model, so another corpus or tokenizer
     is never read with this model's weights."""
     spec = cfg.base_lm
@@ -115,13 +115,13 @@ def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
 
 def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore:
     """The corpus's token streams: the pipeline's ``corpus:`` section, or else the corpus and
-    tokenizer a ``gnnlm fit`` checkpoint names (``CorpusStage`` says how the two agree)."""
+    tokenizer a ``gnnlm fit`` checkpoint names (``CorpusConfig`` says how the two agree)."""
     corpus = cfg.corpus
     if corpus is None and not ckpt.startswith("hf:"):
         data = datamodule_args(ckpt)
         if "corpus" in data:  # a `gnnlm fit` checkpoint names its corpus and tokenizer
             tok = data.get("tokenizer") or TokenizerConfig()
-            corpus = CorpusStage(name=data["corpus"], path=data.get("corpus_path"),
+            corpus = CorpusConfig(name=data["corpus"], path=data.get("corpus_path"),
                                  data_dir=data.get("data_dir"), tokenizer=tok)
     if corpus is None:
         raise ValueError(f"Cannot tell which corpus and tokenizer the base LM {ckpt} reads: "
