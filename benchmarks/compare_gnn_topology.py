@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gnnlm.cli import lightning_main
+from gnnlm.lit.cli import lightning_main
 
 CHAIN = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",
          "configs/wikitext2/gnnlm_cpu.yaml"]

@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 import yaml
 from conftest import REPO, data_dir
 
-from gnnlm.cli import GnnlmCLI
+from gnnlm.lit.cli import GnnlmCLI
 from gnnlm.pipeline.config import load_config, yaml_list
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))

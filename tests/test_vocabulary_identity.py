@@ -45,7 +45,7 @@ def in_repo(monkeypatch):
 def fitted(tmp_path_factory):
     """A `gnnlm fit` checkpoint of a tiny built-in LM trained on corpus A (words capped at 8),
     and corpus B beside it."""
-    from gnnlm.cli import lightning_main
+    from gnnlm.lit.cli import lightning_main
 
     root = tmp_path_factory.mktemp("fitted")
     corpus_a = write_corpus(root / "a", train=CORPUS_A, valid=CORPUS_A, test=CORPUS_A)

@@ -1,6 +1,6 @@
 """kNN-LM maths as functions of arrays: p_kNN, the interpolation, the (k, T, λ) sweep and fit.
 
-kNN-LM (Khandelwal et al. 2020; gnn-lm.txt eq. 5; why-knnlm.txt eq. 2-3, 6)::
+kNN-LM (Khandelwal et al. 2020; Meng et al. 2022 eq. 5; Xu et al. 2023 eq. 2-3, 6)::
 
     p_kNN(w) = Σ_{i≤k, v_i = w} exp(s_i / T) / Σ_{i≤k} exp(s_i / T)
     p(w)     = λ · p_kNN(w) + (1 − λ) · p_LM(w)

@@ -1,0 +1,95 @@
+"""``gnnlm fit/validate/test/predict``: LightningCLI with the links from data modules to models,
+the progress callback every fit gets, and a ``--ckpt_path`` check. Imported only when such a
+command runs, so that ``gnnlm --help`` and the pipeline commands do not load Lightning first.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from argparse import ArgumentError
+
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningCLI
+
+from gnnlm.cli import LIGHTNING_COMMANDS
+
+
+class _DropLines(logging.Filter):
+    DROPPED = ("💡 Tip",                           # promotional tips
+               "`weights_only` was not set")       # said when saving the full training state,
+                                                   # which is meant; loading is weights-only
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.DROPPED)
+
+
+def quiet_lightning() -> None:
+    """Silence Lightning's promotional tips and the messages that are not true here."""
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
+                 "pytorch_lightning.trainer.connectors.checkpoint_connector"):
+        logging.getLogger(name).addFilter(_DropLines())
+    for message in (
+            ".*tensorboardX.*",                     # the CSV logger is the intended default
+            ".*sync_dist=True.*",                   # epoch metrics are reduced over ranks already
+            ".*LightningCLI's args parameter.*",    # the pipeline runs the CLI from Python
+            ".*isinstance\\(treespec, LeafSpec\\).*",
+            ".*does not have many workers.*",       # two cores: loading in-process is intended
+            ".*The number of training batches.*log_every_n_steps.*"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+class GnnlmCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # every fit writes plain progress lines where its bar cannot be seen (a redirected log);
+        # a forced callback, so a config's own `trainer.callbacks` list does not drop it
+        from gnnlm.lit.progress_log import ProgressLog
+
+        parser.add_lightning_class_args(ProgressLog, "progress_log")
+        # Sizes flow from the data to the model (a link is skipped when a class lacks the key).
+        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size",
+                              apply_on="instantiate")
+        parser.link_arguments("data.feature_dim", "model.init_args.feature_dim",
+                              apply_on="instantiate")
+        # heads that run the base LM take the one their datastore was built with
+        parser.link_arguments("data.base_lm", "model.init_args.base_lm", apply_on="instantiate")
+        parser.link_arguments("data.base_lm_fingerprint", "model.init_args.base_lm_fingerprint",
+                              apply_on="instantiate")
+        parser.link_arguments("data.base_lm_options", "model.init_args.base_lm_options",
+                              apply_on="instantiate")
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, then refuse a ``--ckpt_path`` of another model or data module than the config
+        builds, before LightningCLI puts the checkpoint's model into the config (which would
+        fail only inside the run, on an attribute the config's data module lacks)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand) if subcommand else self.config
+        ckpt_path = config.get("ckpt_path") if config is not None else None
+        if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
+            from gnnlm.workdir.checkpoints import check_trained_as
+
+            def class_path(key: str) -> str | None:
+                value = config.get(key)
+                return getattr(value, "class_path", None) if value is not None else None
+
+            check_trained_as(ckpt_path, class_path("model"), class_path("data"))
+
+
+def lightning_main(args: list[str] | None = None) -> GnnlmCLI:
+    quiet_lightning()
+    # a parse error is raised, not printed after LightningCLI's 50-line usage: `main` prints it
+    # as the one line of every gnnlm error
+    no_usage = {"exit_on_error": False}
+    try:
+        return GnnlmCLI(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True,
+                        subclass_mode_data=True, args=args,
+                        save_config_kwargs={"overwrite": True},
+                        parser_kwargs={**no_usage, **{name: dict(no_usage) for name in
+                                                      LIGHTNING_COMMANDS}})
+    except ArgumentError as err:
+        if str(err).startswith("the following arguments are required"):
+            raise ValueError(f"{err}: give the configs that set them with -c, e.g. -c "
+                             f"configs/trainer/cpu.yaml -c configs/wikitext2/base_lm.yaml "
+                             f"(each YAML in configs/ starts with the command that runs it)."
+                             ) from None
+        raise
