@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.base import WorkdirDataModule
 from datamodules.sampling import eval_sampler
-from gnnlm.retrieval.features import check_key, load_output_embedding, open_features
+from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.retrieval.neighbors import neighbor_values
-from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
+from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
 
 
@@ -75,30 +75,30 @@ class FeatureBlocks(Dataset):
         return item
 
 
-class FeatureDataModule(pl.LightningDataModule):
+class FeatureDataModule(WorkdirDataModule):
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  retrieved: int = 0, block_size: int = 512, num_workers: int = 0,
                  train_tokens: Optional[int] = None, eval_tokens: Optional[int] = None,
                  predict_split: str = "test"):
-        """``key``: the feature each position carries (``final`` or ``att``). ``retrieved``: how
-        many retrieved next tokens each position carries (SPALM's K; 0 = none), from the
-        neighbours of ``key`` under ``metric``. ``block_size`` positions form one batch;
-        ``train_tokens``/``eval_tokens`` keep split prefixes."""
-        super().__init__()
+        """Positions of each split with their frozen features, for heads on frozen features.
+
+        Args:
+            workdir: the work directory of ``gnnlm pipeline`` whose artifacts are read.
+            key: the feature each position carries (``final`` or ``att``).
+            metric: the similarity the neighbours of ``key`` were searched with.
+            retrieved: retrieved next tokens each position carries (SPALM's K; 0 = none).
+            block_size: consecutive positions per batch.
+            num_workers: DataLoader worker processes.
+            train_tokens: keep only this prefix of train (None: every position).
+            eval_tokens: keep only this prefix of valid/test (None: every position).
+            predict_split: the split ``predict`` scores.
+        """
         if retrieved < 0:
             raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
+        super().__init__(workdir, predict_split)
         self.save_hyperparameters()
-        self.workdir = Workdir(workdir)
-        try:
-            manifest = self.workdir.features_manifest("train")
-        except ArtifactError as err:
-            raise ArtifactError(f"{err} Heads on frozen features read the artifacts of "
-                                f"`gnnlm pipeline`; run its retrieval stages first.") from err
-        self.feature_dim, self.vocab_size = manifest["dim"], manifest["vocab_size"]
-        self.logit_softcap = manifest["base_lm"].get("logit_softcap")  # applied after W
-
-    def output_embedding(self):
-        return load_output_embedding(self.workdir)
+        with self.reading_artifacts("features"):
+            self.use_features(self.workdir.features_manifest("train"))
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         hp = self.hparams
@@ -112,11 +112,5 @@ class FeatureDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("valid", False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.hparams.predict_split, False)
+    def eval_dataloader(self, split: str) -> DataLoader:
+        return self._loader(split, False)

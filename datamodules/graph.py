@@ -33,17 +33,17 @@ import dataclasses
 from typing import Literal, Optional
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import Dataset
 from torch_geometric.data import HeteroData
 from torch_geometric.loader import DataLoader
 
+from datamodules.base import WorkdirDataModule
 from datamodules.sampling import eval_sampler
 from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.pq import PQFeatures, RawFeatures
-from gnnlm.retrieval.features import load_output_embedding, open_features
-from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
+from gnnlm.retrieval.features import open_features
+from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
 
 
@@ -99,7 +99,7 @@ class GraphBlocks(Dataset):
         return data
 
 
-class GraphDataModule(pl.LightningDataModule):
+class GraphDataModule(WorkdirDataModule):
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  node_features: Literal["pq", "raw"] = "pq",
                  block_size: int = 64, graph: GraphConfig = GraphConfig(),
@@ -110,17 +110,30 @@ class GraphDataModule(pl.LightningDataModule):
                  predict_split: str = "test",
                  eval_windows: Literal["once", "per_retrieval"] = "once",
                  eval_ks: Optional[list[int]] = None):
-        """``key`` is the node feature and the retrieval key (GNN-LM uses ``final``), ``metric``
-        the similarity its neighbours were searched with. ``leakage_window`` (C, how many tokens
-        back a train feature has read) defaults to the one the neighbour files were masked with;
-        0 (given, or recorded by neighbours built with ``neighbors.leakage_window: 0``) masks
-        nothing.
-        ``graph`` also chooses the inter edges (``inter``). ``train_tokens``/``eval_tokens`` keep
-        split prefixes. ``eval_windows``: valid/test blocks whose windows the model computes
-        once per retrieved position (``"once"``), or one window per retrieval. ``eval_ks``: the
-        numbers of windows per token ``gnnlm pipeline`` scores valid with after training (the
-        best is reported on test)."""
-        super().__init__()
+        """Blocks of each split as GNN-LM graphs (Meng et al. 2022, §2.2).
+
+        Args:
+            workdir: the work directory of ``gnnlm pipeline`` whose artifacts are read.
+            key: the node feature and the retrieval key (GNN-LM uses ``final``).
+            metric: the similarity the neighbours of ``key`` were searched with.
+            node_features: window nodes' features: PQ-decoded (``pq``) or the stored ones.
+            block_size: consecutive target tokens per graph.
+            graph: window sizes, neighbours per token k and inter edges of every graph.
+            k_schedule: ``[[epoch, k], ...]``, the k curriculum (None: ``graph.k`` throughout).
+            leakage_window: C, tokens back a train feature has read (None: the train
+                neighbours'; 0: no masking).
+            batch_size: train graphs per batch.
+            eval_batch_size: valid/test graphs per batch.
+            num_workers: DataLoader worker processes that build the graphs.
+            train_tokens: keep only this prefix of train (None: what the neighbours cover).
+            eval_tokens: keep only this prefix of valid/test (None: every position).
+            predict_split: the split ``predict`` scores.
+            eval_windows: valid/test windows computed once per retrieved position (``once``)
+                or one per retrieval (``per_retrieval``): the same numbers.
+            eval_ks: windows per token that ``gnnlm pipeline`` scores valid with after
+                training (the best is reported on test).
+        """
+        super().__init__(workdir, predict_split)
         self.save_hyperparameters()
         self.graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
         if k_schedule:
@@ -136,24 +149,14 @@ class GraphDataModule(pl.LightningDataModule):
                              f"(got {eval_ks}).")
         # the k of valid/test graphs (None: graph.k); the pipeline sets it from eval_ks
         self.eval_k: Optional[int] = None
-        self.workdir = Workdir(workdir)
-        try:
+        with self.reading_artifacts("features, neighbours, PQ codes"):
             train_manifest = self.workdir.features_manifest("train")
             self.train_neighbors = read_manifest(self.workdir.neighbors(key, metric, "train"),
                                                  kind="neighbors")
-        except ArtifactError as err:
-            raise ArtifactError(f"{err} The graph data module reads the artifacts of "
-                                f"`gnnlm pipeline`; run it (or its retrieval stages) "
-                                f"first.") from err
-        self.feature_dim = train_manifest["dim"]
-        self.vocab_size = train_manifest["vocab_size"]
-        self.logit_softcap = train_manifest["base_lm"].get("logit_softcap")  # applied after W
+        self.use_features(train_manifest)
         self.n_train = train_manifest["n"]
 
     # -- pieces ----------------------------------------------------------------------------
-    def output_embedding(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return load_output_embedding(self.workdir)
-
     def node_features(self):
         if self.hparams.node_features == "pq":
             return PQFeatures(self.workdir.pq(self.hparams.key))
@@ -203,11 +206,5 @@ class GraphDataModule(pl.LightningDataModule):
         epoch = self.trainer.current_epoch if self.trainer else None
         return self._loader("train", True, self.current_k(epoch))
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("valid", False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.hparams.predict_split, False)
+    def eval_dataloader(self, split: str) -> DataLoader:
+        return self._loader(split, False)

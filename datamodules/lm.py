@@ -119,9 +119,26 @@ class LMDataModule(pl.LightningDataModule):
                  eval_batch_size: int = 32, train_tokens: Optional[int] = None,
                  eval_tokens: Optional[int] = None, num_workers: int = 0,
                  segments: Optional[bool] = None):
-        """``train_tokens``/``eval_tokens`` keep only a prefix of each split (for quick runs).
-        ``segments``: serve contiguous stream segments (None: when the model has memory; True
-        also for a memory model evaluated with its memory switched off)."""
+        """A tokenized corpus for base-LM training and evaluation.
+
+        Args:
+            corpus: the corpus's name (a folder of ``data_dir``, or one that can be
+                downloaded, e.g. ``wikitext-2``).
+            corpus_path: a folder with train/valid/test text files (None: look the name up).
+            data_dir: the folder of named corpora (None: ``$GNNLM_DATA``).
+            tokenizer: how the corpus is tokenized.
+            workdir: the work directory whose ``tokens/`` holds the token streams.
+            block_size: tokens per train block (and per segment for a memory model).
+            eval_context: valid/test sliding-window context C.
+            eval_stride: valid/test sliding-window stride S.
+            batch_size: train blocks (or streams) per batch.
+            eval_batch_size: valid/test windows (or streams) per batch.
+            train_tokens: keep only this prefix of train (None: all of it).
+            eval_tokens: keep only this prefix of valid/test (None: all of it).
+            num_workers: DataLoader worker processes.
+            segments: serve contiguous stream segments (None: when the model has memory;
+                True also for a memory model evaluated with its memory switched off).
+        """
         super().__init__()
         self.save_hyperparameters()
         self.store: TokenStore = build_tokens(Workdir(workdir).tokens, corpus, corpus_path,
@@ -146,6 +163,8 @@ class LMDataModule(pl.LightningDataModule):
     def _memory_model(self) -> bool:
         if self.hparams.segments is not None:
             return self.hparams.segments
+        # The one read of the model: how its tokens are served depends on whether it carries
+        # memory, and CLI links run from data to model only (its sizes come from here).
         model = self.trainer.lightning_module if self.trainer else None
         return getattr(model, "memory_length", 0) > 0
 

@@ -20,20 +20,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from datamodules.base import WorkdirDataModule
 from datamodules.features import NeighborValues
 from datamodules.lm import StreamSegments
 from datamodules.sampling import eval_sampler
 from gnnlm.models import protocols
-from gnnlm.models.encode import stream_tensor
 from gnnlm.models.protocols import Protocol
-from gnnlm.retrieval.features import open_features
 from gnnlm.workdir.artifacts import ArtifactError, read_manifest
-from gnnlm.workdir.layout import SPLITS, Workdir
+from gnnlm.workdir.layout import SPLITS
 
 
 class SegmentsWithValues(StreamSegments):
@@ -61,49 +58,50 @@ class SegmentsWithValues(StreamSegments):
         return item
 
 
-class SpalmDataModule(pl.LightningDataModule):
+class SpalmDataModule(WorkdirDataModule):
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  retrieved: int = 16, block_size: int = 512, batch_size: int = 16,
                  eval_streams: int = 16, train_tokens: Optional[int] = None,
                  num_workers: int = 0, base_lm_path: Optional[str] = None,
                  predict_split: str = "test"):
-        """``retrieved``: how many retrieved next tokens each position carries, from the
-        neighbours of the ``key`` features under ``metric`` (0: none; at most the stored K; at
-        least the model's k and the largest k of its k curve). ``block_size``: the segment
-        length T; ``batch_size``: the parallel train streams per device; ``eval_streams``: the
-        parallel valid/test streams in all (each of W processes reads eval_streams / W of them,
-        so W must divide it).
-        ``train_tokens`` keeps a train prefix (at most what the train neighbours cover);
-        ``base_lm_path`` overrides where the base LM the features record is loaded from."""
-        super().__init__()
+        """Contiguous Transformer-XL segments of each split with their retrieved next tokens.
+
+        Args:
+            workdir: the work directory of ``gnnlm pipeline`` whose artifacts are read.
+            key: the features whose neighbours give the retrieved values.
+            metric: the similarity those neighbours were searched with.
+            retrieved: retrieved next tokens each position carries (0: none; at most the
+                stored K; at least the model's k and the largest k of its k curve).
+            block_size: the segment length T.
+            batch_size: parallel train streams per device.
+            eval_streams: parallel valid/test streams in all (each of W processes reads
+                eval_streams / W of them, so W must divide it).
+            train_tokens: keep only this train prefix (at most what the train neighbours
+                cover; None: all of it).
+            num_workers: DataLoader worker processes.
+            base_lm_path: where the base LM is loaded from (None: the one the features
+                record).
+            predict_split: the split ``predict`` scores.
+        """
         if retrieved < 0:
             raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
         if eval_streams < 1:
             raise ValueError(f"eval_streams must be >= 1 (got {eval_streams}).")
+        super().__init__(workdir, predict_split)
         self.save_hyperparameters()
-        self.workdir = Workdir(workdir)
-        try:
+        with self.reading_artifacts("tokens, features, train neighbours"):
             self.manifests = {s: self.workdir.features_manifest(s) for s in SPLITS}
             tokens = read_manifest(self.workdir.tokens, kind="tokens")
             neighbors = read_manifest(self.workdir.neighbors(key, metric, "train"),
                                       kind="neighbors")
-            self.train_covered, self.stored_k = int(neighbors["n"]), int(neighbors["K"])
-        except ArtifactError as err:
-            raise ArtifactError(f"{err} This data module reads the artifacts of `gnnlm pipeline` "
-                                f"(tokens, features, train neighbours); run its retrieval "
-                                f"stages first.") from err
+        # what the model is linked with, so that it refuses a k the data cannot serve
+        self.retrieved, self.stored_k = retrieved, int(neighbors["K"])
+        self.train_covered = int(neighbors["n"])
         train = self.manifests["train"]
-        self.vocab_size, self.bos_id = train["vocab_size"], tokens["bos_id"]
+        self.use_features(train)
+        self.bos_id = tokens["bos_id"]
         # linked into the model, which checks the weights against the datastore's fingerprint
-        self.base_lm = base_lm_path or self._recorded_base_lm(train["base_lm"])
-        self.base_lm_fingerprint = train["base_lm"]["fingerprint"]
-
-    def _recorded_base_lm(self, identity: dict) -> str:
-        location = identity.get("location")
-        if not location:
-            raise ArtifactError(f"The features in {self.workdir.features('train')} do not record "
-                                f"where their base LM is: pass base_lm_path.")
-        return location if location.startswith("hf:") else str(self.workdir.resolve(location))
+        self.use_base_lm(train, base_lm_path)
 
     def n_positions(self, split: str) -> int:
         """Positions served for ``split``: the covered train prefix, or every valid/test one."""
@@ -132,9 +130,7 @@ class SpalmDataModule(pl.LightningDataModule):
         return values
 
     def segments(self, split: str, n_streams: int) -> SegmentsWithValues:
-        n = self.n_positions(split)
-        targets = open_features(self.workdir.features(split))[1]["targets"]
-        stream = stream_tensor(np.asarray(targets[:n]), self.bos_id)
+        stream = self.token_stream(split, self.n_positions(split), self.bos_id)
         return SegmentsWithValues(stream, n_streams, self.hparams.block_size, self._values(split))
 
     def _loader(self, split: str) -> DataLoader:
@@ -160,11 +156,5 @@ class SpalmDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("valid")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.hparams.predict_split)
+    def eval_dataloader(self, split: str) -> DataLoader:
+        return self._loader(split)

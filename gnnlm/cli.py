@@ -14,6 +14,8 @@ import os
 import re
 import sys
 
+from gnnlm.lit import LIGHTNING_COMMANDS
+
 USAGE = """usage: gnnlm COMMAND [-c CONFIG ...] [--section.field=value ...] [--debug]
 
 Retrieval-augmented language modelling: GNN-LM, kNN-LM and SPALM.
@@ -49,8 +51,6 @@ def default_wandb_offline() -> None:
         os.environ.setdefault("WANDB_MODE", "offline")
 
 
-# LightningCLI's subcommands, run by ``gnnlm.lit.cli.lightning_main``
-LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 
 def config_files(words: list[str]) -> list[str]:

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import os
 import shlex
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +18,8 @@ from fakes import save_lm_checkpoint
 from gnnlm.gnn.graph import GraphConfig
 from gnnlm.text.tokens import TokenizerConfig
 from gnnlm.workdir.checkpoints import CheckpointError, datamodule_args, load_checkpoint, model_state
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ShellPayload:
@@ -124,3 +132,67 @@ def test_load_base_lm_refuses_a_checkpoint_of_another_model(tmp_path):
                 "hyper_parameters": {"feature_dim": 2}}, path)
     with pytest.raises(CheckpointError, match="not a checkpoint of the built-in LM"):
         load_base_lm(str(path))
+
+
+def pickled_under(instance, old_module, monkeypatch):
+    """A stand-in for ``instance`` that pickles as ``old_module.<its class>`` (where the class
+    lived when older checkpoints were written), with the same fields."""
+    cls = type(instance)
+    module = types.ModuleType(old_module)
+    twin = type(cls.__name__, (), {"__module__": old_module, "__qualname__": cls.__qualname__})
+    setattr(module, cls.__name__, twin)
+    monkeypatch.setitem(sys.modules, old_module, module)
+    stand_in = twin.__new__(twin)
+    stand_in.__dict__.update(dataclasses.asdict(instance))
+    return stand_in
+
+
+@pytest.mark.parametrize("old_tokens,old_graph", [("gnnlm.tokens", "gnnlm.graph"),
+                                                  ("gnnlm.text.tokens", "gnnlm.gnn.graph")])
+def test_checkpoints_pickling_the_classes_former_module_paths_load(tmp_path, monkeypatch,
+                                                                   old_tokens, old_graph):
+    tokenizer, graph = TokenizerConfig(kind="char"), GraphConfig(k=4, left=2)
+    path = tmp_path / "old.ckpt"
+    with monkeypatch.context() as old:
+        torch.save({"state_dict": {}, "datamodule_hyper_parameters": {
+            "tokenizer": pickled_under(tokenizer, old_tokens, old),
+            "graph": pickled_under(graph, old_graph, old)}}, path)
+    assert f"{old_tokens}\nTokenizerConfig".encode() in zipfile.ZipFile(path).read(
+        "old/data.pkl")
+    args = datamodule_args(path)
+    assert args == {"tokenizer": tokenizer, "graph": graph}
+    assert type(args["tokenizer"]) is TokenizerConfig and type(args["graph"]) is GraphConfig
+
+
+def saved_with_settings(path):
+    torch.save({"state_dict": {}, "datamodule_hyper_parameters": {
+        "tokenizer": TokenizerConfig(kind="char"), "graph": GraphConfig(k=4)}}, path)
+    return path
+
+
+def load_in_a_fresh_process(imports: str, path) -> subprocess.CompletedProcess:
+    code = (f"{imports}; from gnnlm.workdir.checkpoints import datamodule_args; import sys; "
+            f"print(sorted(type(v).__name__ for v in datamodule_args(sys.argv[1]).values()))")
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize("imports", ["import gnnlm.pipeline.config", "import gnnlm.models",
+                                     "import gnnlm.workdir.checkpoints"])
+def test_a_fresh_process_has_the_classes_registered_before_it_loads(tmp_path, imports):
+    """Importing the package (any module of it, the checkpoint reader alone included) registers
+    every class checkpoints may hold, so no loading path finds the registry empty."""
+    done = load_in_a_fresh_process(imports, saved_with_settings(tmp_path / "m.ckpt"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "['GraphConfig', 'TokenizerConfig']"
+
+
+def test_the_checkpoint_reader_imports_nothing_of_the_package():
+    import ast
+
+    from gnnlm.workdir import checkpoints
+
+    tree = ast.parse(Path(checkpoints.__file__).read_text())
+    names = [n.module if isinstance(n, ast.ImportFrom) else a.name for n in ast.walk(tree)
+             if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+    assert not [name for name in names if name and name.startswith("gnnlm")]

@@ -12,6 +12,7 @@ from conftest import REPO, data_dir
 
 from gnnlm.lit.cli import GnnlmCLI
 from gnnlm.pipeline.config import load_config, yaml_list
+from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
@@ -74,10 +75,9 @@ def fit_chains() -> list[list[str]]:
             for section, value in (yaml.safe_load((REPO / f).read_text()) or {}).items():
                 merged[section] = ({**merged.get(section, {}), **value}
                                    if isinstance(value, dict) else value)
-        named = [merged.get(s, {}).get("config") for s in ("base_lm", "gnn", "spalm",
-                                                            "spalm_ft")]
+        named = [merged.get(s, {}).get("config") for s in ("base_lm", *HEAD_CONFIGS)]
         named += [merged.get("ablations", {}).get("memory_lm"),
-                  *merged.get("learned_wds", {}).get("configs", [])]
+                  *merged.get(LEARNED_WDS, {}).get("configs", [])]
         chains |= {tuple(yaml_list(c)) for c in named if c}
     return [list(c) for c in sorted(chains)]
 

@@ -115,7 +115,7 @@ def test_feature_data_without_retrieval_and_with_prefixes(work):
     assert torch.cat([b["positions"] for b in valid]).tolist() == list(range(70))
     att = open_array(wd.features("valid"), "att")
     np.testing.assert_array_equal(valid[0]["h"].numpy(), np.asarray(att[:50], np.float32))
-    dm.hparams.predict_split = "valid"
+    dm.predict_split = "valid"
     assert len(dm.predict_dataloader().dataset) == 2
 
 

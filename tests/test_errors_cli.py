@@ -11,6 +11,7 @@ from conftest import CPU, LM, REPO
 from fakes import error_of
 
 from gnnlm.cli import USAGE, main
+from gnnlm.pipeline.rows import HEAD_FIELDS
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 
@@ -153,8 +154,7 @@ def test_explain_on_an_unbuilt_work_directory_names_the_pipeline_and_creates_not
 
 
 SECTIONS = ["name", "workdir", "base_lm", "corpus", "features", "index", "neighbors", "knn", "pq",
-            "gnn", "spalm", "spalm_ft", "transformer", "transformer_xl", "spalm_xl",
-            "spalm_xl_variant", "learned_wds", "ablations", "rebuild"]
+            *HEAD_FIELDS, "ablations", "rebuild"]
 
 
 def help_of(args, capsys) -> list[str]:

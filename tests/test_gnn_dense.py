@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from gnnlm.gnn.dense import to_dense
+from gnnlm.gnn.dense import stack_dense, to_dense
 from gnnlm.gnn.graph import METADATA, GraphConfig, build_graph
 from gnnlm.gnn.layer import GNNStack
 
@@ -84,7 +84,7 @@ def test_dense_equals_message_passing(inter, norm, edge_aggr, ctx_window, contex
     mp, dense = (stack.eval() for stack in two_paths(norm, edge_aggr))
     want = mp(batch.x_dict, batch.edge_index_dict)["ctx"]
     ctx, nbr, graph = to_dense(batch, cfg)
-    got = dense.forward_dense(ctx, nbr, graph)[0][graph.ctx_mask]
+    got = stack_dense(dense, ctx, nbr, graph)[0][graph.ctx_mask]
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
     assert (want - batch["ctx"].x).abs().max() > 0.1                  # the layers did something
 
@@ -100,7 +100,7 @@ def test_gradients_equal_message_passing():
     want_x = [batch["ctx"].x.grad.clone(), batch["nbr"].x.grad.clone()]
     batch["ctx"].x.grad = batch["nbr"].x.grad = None
     ctx, nbr, graph = to_dense(batch, cfg)
-    dense.forward_dense(ctx, nbr, graph)[0][graph.ctx_mask].pow(2).sum().backward()
+    stack_dense(dense, ctx, nbr, graph)[0][graph.ctx_mask].pow(2).sum().backward()
     for name, p in dense.named_parameters():
         torch.testing.assert_close(p.grad, want[name], atol=1e-10, rtol=1e-9, msg=name)
         assert want[name].abs().max() > 0, name                      # every parameter is reached
@@ -130,7 +130,7 @@ def test_a_block_without_neighbours_reads_only_its_context():
     g["nbr"].x = torch.zeros(0, D_MODEL, dtype=torch.float64)
     stack = stack_for().eval()
     ctx, nbr, graph = to_dense(g, cfg)
-    got = stack.forward_dense(ctx, nbr, graph)[0][graph.ctx_mask]
+    got = stack_dense(stack, ctx, nbr, graph)[0][graph.ctx_mask]
     torch.testing.assert_close(got, stack(g.x_dict, g.edge_index_dict)["ctx"])
     assert torch.isfinite(got).all()
 
@@ -139,4 +139,4 @@ def test_dense_path_refuses_the_hgt_baseline():
     cfg = GraphConfig(k=2)
     batch = batch_of_graphs(cfg, dtype=torch.float32)
     with pytest.raises(ValueError, match="kind='hgt'"):
-        GNNStack(D_MODEL, METADATA, kind="hgt").forward_dense(*to_dense(batch, cfg))
+        stack_dense(GNNStack(D_MODEL, METADATA, kind="hgt"), *to_dense(batch, cfg))

@@ -94,3 +94,26 @@ def test_learned_datastore_nll_and_predict_step():
     out = model.predict_step(batch, 0)
     torch.testing.assert_close(out["logprob"], -nll.detach())
     assert torch.equal(out["positions"], batch["positions"])
+
+
+def test_spalm_heads_predict_each_token_s_mean_gate(lm_checkpoint):
+    """One gate per token, its mean over the d dimensions, as SPALM end to end gives it (the
+    runner stores it as <split>_gate); only scored tokens."""
+    path, _ = lm_checkpoint
+    frozen = SpalmLM(vocab_size=20, feature_dim=8, gate_bias=0.5)
+    frozen.attach_output_embedding(torch.randn(20, 8), torch.randn(20))
+    batch = _feature_batch()
+    finetuned = SpalmFinetuneLM(base_lm=path).eval()
+    windows = _windows_batch()
+    windows["mask"][0, :5] = 0                                          # unscored positions
+    for model, data in ((frozen, batch), (finetuned, windows)):
+        with torch.no_grad():
+            out = model.predict_step(data, 0)
+            logits, gate = model(data)
+        keep = data.get("mask", torch.ones(len(gate))).flatten().bool()
+        assert set(out) == {"positions", "logprob", "gate"}
+        assert out["gate"].dtype == torch.float32 and out["gate"].shape == out["logprob"].shape
+        torch.testing.assert_close(out["gate"], gate[keep].mean(-1))
+        assert torch.equal(out["positions"], data["positions"].flatten()[keep])
+        assert not hasattr(model, "gate_histogram")
+    assert frozen.deviations() == ["gate bias"] and finetuned.deviations() == []

@@ -14,6 +14,7 @@ from conftest import PIPELINE, run_gnnlm
 from gnnlm.models import load_base_lm
 from gnnlm.models.protocols import layout
 from gnnlm.pipeline.ablations import row_label
+from gnnlm.pipeline.rows import HEAD_CONFIGS
 from gnnlm.retrieval.features import build_features, open_features
 from gnnlm.retrieval.knn_cache import search_facts
 from gnnlm.text.tokens import TokenStore
@@ -56,8 +57,8 @@ def test_results_record_unknown_tokens_and_the_overlap_with_the_datastore(result
     valid, rows = results["valid_ppl"], results["protocols"]
 
     def on_the_base_lm(name: str) -> bool:  # a head on its features, read the base LM's way
-        head = name in ("gnn", "spalm", "spalm_ft") or (name.startswith("learned_wds")
-                                                        and name.endswith("+base"))
+        head = name in HEAD_CONFIGS or (name.startswith("learned_wds")
+                                        and name.endswith("+base"))
         return head and layout(rows[name]) == layout(rows["base"])
 
     heads = [name for name in valid if on_the_base_lm(name)]
@@ -97,14 +98,15 @@ def test_spalm_and_learned_wds_beat_the_base_lm(results):
     ppl = results["ppl"]
     assert ppl["spalm"] < ppl["base"]
     assert ppl["learned_wds+base"] < ppl["base"]
-    hist = results["spalm_gate"]["histogram"]
-    assert sum(hist) == results["tokens"] * 64           # every gate dimension of every token
+    hist = results["spalm_analysis"]["gate_histogram"]["test"]
+    assert sum(hist["counts"]) == hist["tokens"] == results["tokens"]  # each token's mean gate
 
 
 def test_spalm_with_its_last_block_fine_tuned_beats_the_base_lm(results):
     ppl = results["ppl"]
     assert ppl["spalm_ft"] < ppl["base"]
-    assert sum(results["spalm_ft_gate"]["histogram"]) == results["tokens"] * 64
+    hist = results["spalm_ft_analysis"]["gate_histogram"]["test"]
+    assert sum(hist["counts"]) == hist["tokens"] == results["tokens"]
 
 
 def test_retrieval_windows_carry_the_datastore_s_tokens_and_neighbours(workdir):
@@ -303,6 +305,7 @@ def test_a_moved_work_directory_is_reused_and_rebuild_rebuilds_what_it_names(run
     shutil.rmtree(moved)
 
 
+@pytest.mark.multiprocess
 def test_ddp_fit_on_two_cpu_processes(run_dir, workdir):
     """GNN-LM training runs unchanged under DDP (gloo, 2 processes)."""
     chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",

@@ -1,11 +1,20 @@
-"""Report helpers: recall buckets (GNN-LM Table 4) and the names of report rows."""
+"""The report: recall buckets (GNN-LM Table 4), the registry of report rows (names, labels,
+order), and results.json/results.md written from the pipeline's ``Results``."""
 from __future__ import annotations
+
+import json
+from dataclasses import fields
 
 import numpy as np
 import pytest
+from fakes import write_features
 
 from gnnlm.models import protocols
-from gnnlm.pipeline.report import recall_buckets, row_name
+from gnnlm.pipeline import rows
+from gnnlm.pipeline.report import recall_buckets
+from gnnlm.pipeline.results import KeyRetrieval, Results
+from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.layout import Workdir
 
 
 def test_recall_buckets_never_split_a_recall_value():
@@ -40,12 +49,37 @@ def test_recall_buckets_of_shuffled_tokens_average_the_right_tokens():
 
 
 def test_row_names():
-    assert row_name("base") == "base LM" and row_name("gnn+knn") == "+GNN+kNN"
-    assert row_name("knn[att]") == "+kNN, att keys"
-    assert row_name("learned_wds") == "learned W_ds alone"
-    assert row_name("learned_wds+base") == "base LM + learned W_ds"
-    assert row_name("learned_wds[n=4]+base") == "base LM + learned W_ds (n = 4)"
-    assert row_name("something-new") == "something-new"
+    assert rows.label("base") == "base LM" and rows.label("gnn+knn") == "+GNN+kNN"
+    assert rows.label("knn[att]") == "+kNN, att keys"
+    assert rows.label("learned_wds") == "learned W_ds alone"
+    assert rows.label("learned_wds+base") == "base LM + learned W_ds"
+    assert rows.label("learned_wds[n=4]+base") == "base LM + learned W_ds (n = 4)"
+    assert rows.label("something-new") == "something-new"
+    assert rows.label("spalm_xl_variant", ["gate bias"]) == \
+        "SPALM (short + long-term memory) (+gate bias)"
+
+
+def test_the_registry_orders_rows_and_names_the_config_s_head_fields():
+    from gnnlm.pipeline.config import PipelineConfig
+
+    names = ["learned_wds+base", "spalm_xl", "knn[ffn]", "gnn+knn", "learned_wds[n=3]", "knn",
+             "base", "knn[att]", "transformer_xl", "learned_wds", "gnn", "spalm_ft", "spalm"]
+    assert rows.order(names) == [
+        "base", "knn", "knn[att]", "knn[ffn]", "gnn", "gnn+knn", "spalm", "spalm_ft",
+        "transformer_xl", "spalm_xl", "learned_wds", "learned_wds+base", "learned_wds[n=3]"]
+    # every trained head is configured by the pipeline config's field of its name
+    assert set(rows.HEAD_FIELDS) <= {f.name for f in fields(PipelineConfig)}
+    assert set(PipelineConfig().heads()) <= set(rows.HEAD_FIELDS)
+    assert [n for n in names if rows.is_interpolation(n)] == [
+        "learned_wds+base", "knn[ffn]", "gnn+knn", "knn", "knn[att]"]
+    assert rows.head_of("gnn+knn") == "gnn" and rows.head_of("learned_wds[n=3]+base") == \
+        "learned_wds[n=3]"
+    assert rows.knn_row("final", "final") == "knn" and rows.knn_row("att", "final") == "knn[att]"
+    assert rows.learned_wds_row(1, 3) == "learned_wds[n=3]"
+    assert rows.model_folder("learned_wds[n=3]") == "learned_wds_n3"
+    assert rows.SPALM_BASELINES == {"spalm": "base", "spalm_ft": "base",
+                                    "spalm_xl": "transformer_xl",
+                                    "spalm_xl_variant": "transformer_xl"}
 
 
 def test_the_report_names_the_base_lm_and_lists_k_in_numeric_order():
@@ -138,8 +172,7 @@ def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used(
 
     def line(**test) -> str:
         neighbours = {"test": {"K": 128, "queries_per_s": 1000.0, **test}, "train": train}
-        return _retrieval_line("final", _retrieval_facts({"index": index,
-                                                          "neighbors": neighbours}))
+        return _retrieval_line("final", _retrieval_facts(KeyRetrieval(index, neighbours, {})))
 
     used = line(backend="index", factory="IVF4096,SQ8", nprobe=8, rerank=0.0)
     assert ("index IVF4096,SQ8, nprobe 8, re-ranking 0.0x, K = 128: recall@10 0.75, recall@100 "
@@ -152,3 +185,115 @@ def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used(
     assert "masked for leakage (W = 128): 0.005" in exact
     train.update(leakage_window=None, masked_fraction=None)
     assert "not masked for leakage" in line(backend="exact", factory="exact")
+
+
+SIZES = {"train": 60, "valid": 30, "test": 40}
+
+
+def _trained(wd: Workdir, name: str, gates: bool, **extra) -> dict:
+    """A trained model's artifact; SPALM rows store their mean gate per token, per split."""
+    rng = np.random.default_rng(len(name))
+    builder = ArtifactBuilder(wd.model(name), kind="trained_model", config={"name": name})
+    with builder:
+        for split in ("valid", "test") if gates else ():
+            builder.array(f"{split}_gate", np.float32, (SIZES[split],))[...] = rng.uniform(
+                0, 1, SIZES[split])
+        return builder.finish(extra=extra)
+
+
+def _results(tmp_path) -> tuple[Workdir, Results]:
+    """What the stages hand the report, made up: every kind of row, from memory (no kNN cache
+    or PQ folder exists: the report must not read their manifests again)."""
+    wd = Workdir(tmp_path / "work")
+    rng = np.random.default_rng(0)
+    features = {}
+    for split, n in SIZES.items():
+        manifest = write_features(wd.features(split), rng.standard_normal((n, 4)),
+                                  targets=rng.integers(0, 20, n).astype(np.int32), split=split,
+                                  vocab_size=20)
+        manifest["config"].update(context=8, stride=4)
+        features[split] = {**manifest, "protocol": "sliding windows", "seconds": 1.5}
+
+    def logprob(split: str) -> np.ndarray:
+        return np.log(rng.uniform(0.05, 0.6, SIZES[split])).astype(np.float32)
+
+    xl = protocols.segments(8, 2, 8)
+    heads = {"gnn": _trained(wd, "gnn", False, train_seconds=12.0, model_class="GNNLM",
+                             eval_k={"chosen": 4, "valid_ppl": {"2": 9.0, "4": 8.0},
+                                     "seconds": {"2": 0.5, "4": 0.75}},
+                             metrics={"leakage/windows_dropped": 0.125, "train/loss": 3.0}),
+             "spalm": _trained(wd, "spalm", True, train_seconds=4.0),
+             "spalm_ft": _trained(wd, "spalm_ft", True, train_seconds=5.0),
+             "transformer_xl": _trained(wd, "transformer_xl", False, protocol=xl),
+             "spalm_xl": _trained(wd, "spalm_xl", True, protocol=xl,
+                                  k_curve={"split": "valid", "trained_k": 4, "k": [1, 4],
+                                           "tokens": SIZES["valid"], "ppl": [10.0, 9.0]}),
+             "learned_wds": _trained(wd, "learned_wds", False, deviations=["made up"])}
+    scores = {name: {s: logprob(s) for s in ("valid", "test")} for name in ["base", *heads]}
+    hp = {"k": 4, "temperature": 1.0, "lambda": 0.25, "valid_ppl": 7.0, "test_ppl": 7.5}
+    index = {"factory": "Flat", "train_seconds": 0.5, "add_seconds": 0.25}
+    neighbours = {"test": {"K": 4, "backend": "exact", "search_seconds": 1.0},
+                  "valid": {"K": 4, "search_seconds": 1.0}}
+    results = Results(
+        name="run", dataset="tiny", level="word",
+        base_lm={"name": "gpt", "fingerprint": "abc", "vocab_size": 20, "hidden_size": 4},
+        base_lm_manifest={"train_seconds": 9.0}, features=features, scores=scores, heads=heads,
+        retrieval={"final": KeyRetrieval(index, neighbours,
+                                         {"valid": {"seconds": 0.25}, "test": {"seconds": 0.5}})},
+        pq={"seconds": 3.0}, knn_recall=rng.integers(0, 5, SIZES["test"]),
+        data_checks={"unk_token": "<unk>", "unk_share": {"train": 0.02, "valid": 0.03,
+                                                          "test": 0.03},
+                     "datastore_overlap": {"valid": 0.0, "test": 0.0},
+                     "near_copy": {"key": "final", "metric": "cos", "context": 32}})
+    for name in ("knn", "knn[att]", "gnn+knn"):
+        results.add_interpolation(name, logprob("test"), {**hp, "key": "final"})
+    results.add_interpolation("learned_wds+base", logprob("test"),
+                              {"lambda": 0.3, "valid_ppl": 7.2})
+    return wd, results
+
+
+def test_the_report_reads_the_pipeline_s_results(tmp_path):
+    from gnnlm.pipeline.report import write_report
+
+    wd, results = _results(tmp_path)
+    report = write_report(wd, results)
+    out = wd.report("run")
+    assert json.loads((out / "results.json").read_text()) == json.loads(json.dumps(report))
+    assert list(report["ppl"]) == ["base", "knn", "knn[att]", "gnn", "gnn+knn", "spalm",
+                                   "spalm_ft", "transformer_xl", "spalm_xl", "learned_wds",
+                                   "learned_wds+base"]
+    assert report["tokens"] == SIZES["test"] and report["level"] == "word"
+    assert report["timing_s"] == {
+        "base_lm": 9.0, "features": 4.5, "index[final]": 0.75, "neighbors[final]": 2.0,
+        "knn_cache[final]": 0.75, "pq": 3.0, "gnn": 12.0, "spalm": 4.0, "spalm_ft": 5.0,
+        "transformer_xl": 0.0, "spalm_xl": 0.0, "learned_wds": 0.0}
+    assert report["knn_recall_buckets_model"] == "gnn+knn"
+    assert sum(b["tokens"] for b in report["knn_recall_buckets"]) == SIZES["test"]
+    assert report["gnn_leakage"] == {"windows_dropped": 0.125}
+    assert report["deviations"] == {"learned_wds": ["made up"]}
+    with np.load(out / "test_logprobs.npz") as saved:
+        assert sorted(saved.files) == sorted(results.scores)
+
+
+def test_every_spalm_row_gets_the_gate_per_token_analysis(tmp_path):
+    """One gate histogram for every SPALM row, the frozen-LM ones (against the base LM) as SPALM
+    end to end (against Transformer-XL): the tokens per bin of their mean gate, from the
+    ``<split>_gate`` arrays in the model's folder; no per-dimension histogram."""
+    from gnnlm.pipeline.report import write_report
+
+    wd, results = _results(tmp_path)
+    report = write_report(wd, results)
+    out = wd.report("run")
+    text = (out / "results.md").read_text()
+    assert not {"spalm_gate", "spalm_ft_gate"} & set(report)
+    for name, baseline in (("spalm", "base"), ("spalm_ft", "base"),
+                           ("spalm_xl", "transformer_xl")):
+        analysis = report[f"{name}_analysis"]
+        for split in ("valid", "test"):
+            hist = analysis["gate_histogram"][split]
+            assert sum(hist["counts"]) == hist["tokens"] == SIZES[split]  # tokens, not dims
+        assert analysis["frequency_buckets"]["baseline"] == baseline
+        assert (out / f"{name}_gate_hist.png").is_file()
+        assert f"{rows.label(name)} gate on test (tokens per bin of the mean gate" in text
+    assert "spalm_xl_variant_analysis" not in report
+    assert "number of neighbours" in text  # spalm_xl's k curve

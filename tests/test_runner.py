@@ -89,3 +89,37 @@ def test_a_head_records_the_protocol_it_was_scored_with(tmp_path):
     assert scoring_protocol(SimpleNamespace(), segments, wd)["memory"] == 0
     assert scoring_protocol(SimpleNamespace(), SimpleNamespace(), wd) == {
         "kind": "sliding_window", "context": 128, "stride": 64, "bos_each_window": True}
+
+
+def test_predict_sets_the_split_on_both_and_stores_every_per_token_value():
+    """The runner names the split once, on the data module and on the model; every per-token
+    value predict gives (SPALM: the mean gate) comes back in position order, as log p does."""
+    import numpy as np
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from gnnlm.pipeline.runner import predict_logprobs, predict_tokens
+
+    class Scores(pl.LightningModule):
+        predict_split = None
+
+        def predict_step(self, batch, batch_idx):
+            return {"positions": batch, "logprob": -batch.float() / 10,
+                    "gate": batch.float() / 100}
+
+    class Positions(pl.LightningDataModule):
+        predict_split = None
+
+        def predict_dataloader(self):
+            order = {"valid": torch.tensor([3, 0, 4, 1, 2]), "test": torch.arange(5)}
+            return DataLoader(order[self.predict_split], batch_size=2)
+
+    model, data = Scores(), Positions()
+    arrays = predict_tokens(model, data, "valid", 5)
+    assert model.predict_split == data.predict_split == "valid"
+    assert set(arrays) == {"logprob", "gate"}
+    np.testing.assert_allclose(arrays["gate"], np.arange(5) / 100, rtol=1e-6)
+    np.testing.assert_allclose(arrays["logprob"], -np.arange(5) / 10, rtol=1e-6)
+    assert all(a.dtype == np.float32 for a in arrays.values())
+    np.testing.assert_array_equal(predict_logprobs(model, data, "test", 5), arrays["logprob"])
+    assert model.predict_split == "test"

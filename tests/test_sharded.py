@@ -188,6 +188,7 @@ def reference(tokens_dir, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.multiprocess
 def test_features_on_two_processes_are_the_bytes_of_one(reference, tokens_dir, tmp_path):
     manifest = run_script("features", tmp_path, tokens_dir, devices=2)
     assert manifest["devices"] == 2 and manifest["n"] == setup.TRAIN_TOKENS
@@ -195,6 +196,7 @@ def test_features_on_two_processes_are_the_bytes_of_one(reference, tokens_dir, t
     assert_same_arrays(Workdir(reference).features("train"), Workdir(tmp_path).features("train"))
 
 
+@pytest.mark.multiprocess
 def test_neighbours_on_two_processes_are_the_bytes_of_one(reference, tokens_dir, tmp_path):
     root = share(reference, tmp_path / "w", "features", "index")
     manifest = run_script("neighbors", root, tokens_dir, devices=2)
@@ -208,6 +210,7 @@ def test_neighbours_on_two_processes_are_the_bytes_of_one(reference, tokens_dir,
                        Workdir(root).neighbors(setup.KEY, setup.METRIC, "train"))
 
 
+@pytest.mark.multiprocess
 def test_features_stopped_on_one_process_resume_on_two(reference, tokens_dir, tmp_path):
     assert setup.features(tmp_path, tokens_dir, devices=1, stop_after=3) == {}
     partial = Workdir(tmp_path).features("train").with_name("train.partial")
@@ -226,6 +229,7 @@ def test_features_stopped_on_one_process_resume_on_two(reference, tokens_dir, tm
     assert_same_arrays(Workdir(reference).features("train"), Workdir(tmp_path).features("train"))
 
 
+@pytest.mark.multiprocess
 def test_neighbours_stopped_on_two_processes_resume_on_one(reference, tokens_dir, tmp_path):
     root = share(reference, tmp_path / "w", "features", "index")
     assert run_script("neighbors", root, tokens_dir, devices=2, stop_after=2) == {}
@@ -261,6 +265,7 @@ def test_a_sharded_gpu_index_needs_faiss_gpu(reference, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.multiprocess
 def test_a_killed_two_process_build_resumes_on_one(tokens_dir, tmp_path):
     """SIGKILL to a two-process build once some chunks are recorded (the ranks die mid-chunk);
     one process finishes it with the bytes of an uninterrupted build."""

@@ -12,10 +12,11 @@ import pytest
 import torch
 from fakes import save_lm_checkpoint, write_features
 
+from gnnlm.lit.spalm import check_k_curve
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, neighbor_values
-from gnnlm.spalm.analysis import check_k_curve, frequency_buckets, gate_histogram, markdown
+from gnnlm.spalm.analysis import frequency_buckets, gate_histogram, markdown
 from gnnlm.spalm.model import Spalm
 from gnnlm.utils.metrics import target_nll
 from gnnlm.workdir.artifacts import ArtifactBuilder, open_array
@@ -324,7 +325,7 @@ def test_memory_is_carried_from_one_batch_to_the_next_and_reset_per_pass(work):
 def test_fit_and_predict_give_every_token_its_gate_and_the_k_curve(work):
     import pytorch_lightning as pl
 
-    from gnnlm.pipeline.runner import predict_extras, predict_logprobs
+    from gnnlm.pipeline.runner import predict_extras, predict_tokens
 
     data = _data(work)
     model = _module(work, k_curve=[1, 2, 4, 8])
@@ -332,13 +333,15 @@ def test_fit_and_predict_give_every_token_its_gate_and_the_k_curve(work):
                          enable_model_summary=False, enable_checkpointing=False,
                          limit_val_batches=0)
     trainer.fit(model, datamodule=data)
-    logprob = {s: predict_logprobs(model, data, s, data.n_positions(s)) for s in ("valid", "test")}
-    arrays = model.predict_arrays()
-    assert set(arrays) == {"valid_gate", "test_gate"}
+    arrays = {s: predict_tokens(model, data, s, data.n_positions(s)) for s in ("valid", "test")}
+    logprob = {s: a["logprob"] for s, a in arrays.items()}
     for split, values in logprob.items():
-        gates = arrays[f"{split}_gate"]
-        assert gates.shape == values.shape and not np.isnan(gates).any()
-        assert np.all((gates > 0) & (gates < 1))
+        assert set(arrays[split]) == {"logprob", "gate"}
+        gates = arrays[split]["gate"]
+        assert gates.shape == values.shape and gates.dtype == np.float32
+        assert not np.isnan(gates).any() and np.all((gates > 0) & (gates < 1))
+    assert "gate" not in predict_tokens(_module(work, k=0), _data(work), "test",
+                                        data.n_positions("test"))   # no gate: nothing more
     extras = predict_extras(model)
     curve = extras["k_curve"]
     assert curve["k"] == [1, 2, 4, 8] and curve["tokens"] == SIZES["valid"]
@@ -347,17 +350,61 @@ def test_fit_and_predict_give_every_token_its_gate_and_the_k_curve(work):
     json.dumps(extras)
 
 
-def test_a_k_beyond_what_the_data_carries_or_the_store_holds_is_refused(work):
-    import pytorch_lightning as pl
+def linked(data) -> dict:
+    """What ``gnnlm fit`` links from a SpalmDataModule into the model (``gnnlm.lit.cli``)."""
+    return {"retrieved": data.retrieved, "stored_k": data.stored_k,
+            "vocab_size": data.vocab_size, "base_lm": data.base_lm,
+            "base_lm_fingerprint": data.base_lm_fingerprint}
 
-    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)
+
+def test_a_k_beyond_what_the_data_carries_or_the_store_holds_is_refused(work):
+    """Refused when the model is built, from what the data module says it serves."""
     with pytest.raises(ValueError, match=r"k = \[16\] neighbours asked for, but 8 are stored"):
-        trainer.fit(_module(work, k_curve=[1, 16]), datamodule=_data(work))
+        _module(work, k_curve=[1, 16], **linked(_data(work)))
     with pytest.raises(ValueError, match="data carries data.retrieved = 2"):
-        trainer.fit(_module(work, k_curve=[1, 4]), datamodule=_data(work, retrieved=2))
+        _module(work, k_curve=[1, 4], **linked(_data(work, retrieved=2)))
     with pytest.raises(ValueError, match="k = 0 neighbours|k >= 1"):
         _module(work, k_curve=[0, 1])
+    _module(work, k=0, **linked(_data(work, retrieved=0)))        # no gate: nothing to serve
+
+
+def test_the_gate_trains_at_its_own_rate_in_the_same_groups_as_before(work):
+    """``gate_lr`` through ``adamw_warmup_cosine``'s lr_groups: the optimiser SpalmXL built
+    itself before (LM matrices, LM vectors, then the gate's groups that have parameters, each
+    with its lr and weight decay) and the same warmup + cosine schedule."""
+    from gnnlm.lit.optim import warmup_cosine
+
+    for kw in ({}, {"memory_scale": "learned", "gate_bias": 0.0}, {"k": 0}, {"gate_lr": None}):
+        model = _module(work, **{"gate_lr": 3e-2, "weight_decay": 0.1, "warmup_steps": 3, **kw})
+        model._trainer = SimpleNamespace(estimated_stepping_batches=20)
+        hp = model.hparams
+        # the construction SpalmXL had before it used gnnlm.lit.optim
+        gate = set(model.model.memory_parameters())
+        groups = []
+        for lr, params in ((hp.lr, [p for p in model.parameters() if p not in gate]),
+                           (hp.gate_lr or hp.lr, [p for p in model.parameters() if p in gate])):
+            groups += [{"params": [p for p in params if p.dim() >= 2], "lr": lr,
+                        "weight_decay": hp.weight_decay},
+                       {"params": [p for p in params if p.dim() < 2], "lr": lr,
+                        "weight_decay": 0.0}]
+        before = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr,
+                                   betas=tuple(hp.betas))
+        before_schedule = torch.optim.lr_scheduler.LambdaLR(
+            before, lambda step, hp=hp: warmup_cosine(step, hp.warmup_steps, 20, hp.min_lr_ratio))
+        config = model.configure_optimizers()
+        after, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"]
+        assert isinstance(after, torch.optim.AdamW) and config["lr_scheduler"]["interval"] == "step"
+        assert len(after.param_groups) == len(before.param_groups) >= (2 if "k" in kw else 3)
+        for step in range(25):                          # warmup, decay, and past the end
+            for new, old in zip(after.param_groups, before.param_groups):
+                assert [id(p) for p in new["params"]] == [id(p) for p in old["params"]]
+                assert {k: v for k, v in new.items() if k != "params"} == {
+                    k: v for k, v in old.items() if k != "params"}, step
+            for optimizer, scheduler in ((after, schedule), (before, before_schedule)):
+                optimizer.step()
+                scheduler.step()
+        assert after.param_groups[-1]["initial_lr"] == (
+            hp.lr if "k" in kw else hp.gate_lr or hp.lr)
 
 
 # -- the analyses ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from gnnlm.pipeline.sweep import run_sweep
+from gnnlm.pipeline.sweep import run_sweep, sweep_caches, write_sweep
 from gnnlm.retrieval.knn import default_temperatures, evaluate, fit
 from gnnlm.workdir.artifacts import ArtifactBuilder
 
@@ -37,17 +37,17 @@ def test_sweep_report(tmp_path, monkeypatch):
     ks, temps, lams = [16, 4, 32, 16], [0.5, 1.0, 2.0], [0.0, 0.1, 0.3, 0.6]
     out = tmp_path / "report"
     result = run_sweep(tmp_path / "valid", tmp_path / "test", out, ks, temps, lams)
-    assert result["grid"]["k"] == [4, 16, 32]                        # sorted, once each
+    assert result.ks == [4, 16, 32]                                  # sorted, once each
     best = fit(valid, [4, 16, 32], temps, lams)
-    assert (result["k"], result["temperature"], result["lambda"]) == \
+    assert (result.k, result.temperature, result.lambda_) == \
         (best["k"], best["temperature"], best["lambda"])
-    assert result["valid_ppl"] == pytest.approx(best["ppl"])
-    assert result["valid_ppl"] < result["base_valid_ppl"]  # this kNN part helps
-    assert result["test_ppl"] == pytest.approx(
-        evaluate(test, result["k"], result["temperature"], result["lambda"]))
-    assert result["base_test_ppl"] == pytest.approx(np.exp(-test["lm_logprob"].mean()), rel=1e-5)
-    assert result["points"] == 36 and result["points_per_s"] > 0
-    assert result["cache"]["metric"] == "l2" and result["cache"]["K"] == 32
+    assert result.valid_ppl == pytest.approx(best["ppl"])
+    assert result.valid_ppl < result.base_valid_ppl  # this kNN part helps
+    assert result.test_ppl == pytest.approx(
+        evaluate(test, result.k, result.temperature, result.lambda_))
+    assert result.base_test_ppl == pytest.approx(np.exp(-test["lm_logprob"].mean()), rel=1e-5)
+    assert result.points == 36 and (result.points_per_s or 0) > 0
+    assert result.cache["metric"] == "l2" and result.cache["K"] == 32
     for name in ("sweep.csv", "sweep.md", "sweep_heatmap.png", "sweep.json"):
         assert (out / name).stat().st_size > 0
     with open(out / "sweep.csv") as f:
@@ -55,14 +55,34 @@ def test_sweep_report(tmp_path, monkeypatch):
     assert len(rows) == 36 and set(rows[0]) == {"k", "temperature", "lambda", "valid_ppl"}
     best_row = min(rows, key=lambda r: float(r["valid_ppl"]))
     assert (int(best_row["k"]), float(best_row["temperature"]), float(best_row["lambda"])) == \
-        (result["k"], result["temperature"], result["lambda"])
+        (result.k, result.temperature, result.lambda_)
     md = (out / "sweep.md").read_text()
-    assert f"{result['test_ppl']:.3f}" in md and f"{result['base_valid_ppl']:.3f}" in md
+    assert f"{result.test_ppl:.3f}" in md and f"{result.base_valid_ppl:.3f}" in md
     assert (out / "sweep_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "sweep.json").read_text())["k"] == result["k"]
+    written = json.loads((out / "sweep.json").read_text())
+    assert written == json.loads(json.dumps(result.to_json()))
+    assert set(written) == {"k", "temperature", "lambda", "valid_ppl", "test_ppl",
+                            "base_valid_ppl", "base_test_ppl", "points", "valid_tokens",
+                            "test_tokens", "seconds", "points_per_s", "grid", "cache",
+                            "on_grid_edge", "files", "wandb_dir"}
+    assert written["grid"] == {"k": [4, 16, 32], "temperature": temps, "lambda": lams}
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
-    assert result["wandb_dir"].startswith(str(out / "wandb"))
+    assert result.wandb_dir is not None and result.wandb_dir.startswith(str(out / "wandb"))
+
+
+def test_the_sweep_computes_without_writing(tmp_path):
+    """``sweep_caches`` only computes; ``write_sweep`` writes what it computed."""
+    write_cache(tmp_path / "valid", 80, 8, seed=0)
+    write_cache(tmp_path / "test", 60, 8, seed=1)
+    result = sweep_caches(tmp_path / "valid", tmp_path / "test", [2, 8], [1.0], [0.0, 0.5])
+    assert result.valid_grid.shape == (2, 1, 2) and result.files == {}
+    assert result.valid_ppl == pytest.approx(float(result.valid_grid[result.chosen]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test", "valid"]
+    write_sweep(result, tmp_path / "out", use_wandb=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "sweep.csv", "sweep.json", "sweep.md", "sweep_heatmap.png"]
+    assert set(result.files) == {"sweep.csv", "sweep.md", "sweep_heatmap.png", "sweep.json"}
 
 
 def test_sweep_refuses_mismatched_caches(tmp_path):
@@ -88,11 +108,11 @@ def test_default_temperatures_follow_the_caches_metric_and_arrays_work(tmp_path)
     test = write_cache(tmp_path / "test", 60, 8, seed=1)
     result = run_sweep(tmp_path / "valid", tmp_path / "test", tmp_path / "out", [2, 8],
                        lambdas=[0.0, 0.5], use_wandb=False)
-    assert result["grid"]["temperature"] == default_temperatures("l2")
-    assert result["wandb_dir"] is None and not (tmp_path / "out" / "wandb").exists()
+    assert result.temperatures == default_temperatures("l2")
+    assert result.wandb_dir is None and not (tmp_path / "out" / "wandb").exists()
     # mappings of arrays instead of folders: the same numbers, nothing recorded about them
     again = run_sweep(valid, test, tmp_path / "arrays", [2, 8], default_temperatures("l2"),
                       [0.0, 0.5], use_wandb=False)
-    assert again["valid_ppl"] == pytest.approx(result["valid_ppl"])
-    assert again["test_ppl"] == pytest.approx(result["test_ppl"])
-    assert again["cache"]["metric"] is None
+    assert again.valid_ppl == pytest.approx(result.valid_ppl)
+    assert again.test_ppl == pytest.approx(result.test_ppl)
+    assert again.cache["metric"] is None

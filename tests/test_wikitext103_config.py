@@ -27,7 +27,7 @@ def test_first_stages_of_the_wikitext103_config_on_a_slice(workdir, tmp_path, mo
     features = stage_features(cfg, model, store, wd, location)
     assert features["train"]["n"] == 40000 and features["train"]["devices"] == 2
     retrieval = stage_retrieval(cfg, wd, "final", features["train"]["config"]["context"])
-    index = retrieval["index"]
+    index = retrieval.index
     assert index["factory"].startswith(("IVF", "OPQ")) and "PQ16" in index["factory"]
     assert index["tuning"] and index["recall"]["10"] > 0
     train = read_manifest(wd.neighbors("final", "cos", "train"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from gnnlm.gnn.dense import DenseGraph, to_dense
+from gnnlm.gnn.dense import DenseGraph, stack_dense, to_dense
 from gnnlm.gnn.graph import METADATA, GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.layer import GNNStack
 from gnnlm.gnn.window_states import WindowStates
@@ -67,7 +67,7 @@ def test_window_states_equal_a_window_per_retrieval(inter, norm, edge_aggr, ctx_
     with_windows, context, train = blocks(cfg)
     stack = stack_for(norm, edge_aggr, layers)
     want_ctx, want_nbr, want_graph = to_dense(with_windows, cfg)
-    want = stack.forward_dense(want_ctx, want_nbr, want_graph)[0][want_graph.ctx_mask]
+    want = stack_dense(stack, want_ctx, want_nbr, want_graph)[0][want_graph.ctx_mask]
     states = WindowStates(stack, features_of(train), N_TRAIN, cfg)
     ctx, _, graph = to_dense(context, cfg)
     assert graph.retrieved is not None and graph.retrieved.shape == (3, 7, 4)

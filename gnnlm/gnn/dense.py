@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gnnlm.gnn.graph import CTX_INTRA, NBR_INTER, NBR_INTRA, GraphConfig
-from gnnlm.gnn.layer import GNNLMConv
+from gnnlm.gnn.layer import GNNLMConv, GNNStack
 
 
 @dataclass
@@ -223,3 +223,15 @@ def conv_dense(conv: GNNLMConv, ctx: Tensor, nbr: Tensor, graph: DenseGraph
     if update_nbr:
         out_nbr = window_update(conv, nbr, h["nbr"], graph.nbr_mask)
     return out_ctx, out_nbr
+
+
+def stack_dense(stack: GNNStack, ctx: Tensor, nbr: Tensor, graph: DenseGraph
+                ) -> tuple[Tensor, Tensor]:
+    """``stack``'s layers in turn (``conv_dense``) on ``ctx`` [B, T, d] and ``nbr``
+    [B, T, k, w, d] of ``graph``: what ``stack(x_dict, edge_index_dict)`` computes by message
+    passing. Returns both after the last layer."""
+    if stack.kind != "gnnlm":
+        raise ValueError(f"the dense path computes GNNLMConv layers (got kind={stack.kind!r}).")
+    for layer in stack.layers:
+        ctx, nbr = conv_dense(cast(GNNLMConv, layer), ctx, nbr, graph)
+    return ctx, nbr

@@ -48,12 +48,13 @@ neighbour.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 from torch_geometric.data import HeteroData
+
+from gnnlm.gnn.settings import GraphConfig  # the settings, without torch: importable from here too
 
 NODE_TYPES = ("ctx", "nbr")
 RELATIONS = ("intra", "inter")
@@ -62,37 +63,6 @@ NBR_INTRA = ("nbr", "intra", "nbr")
 NBR_INTER = ("nbr", "inter", "ctx")
 EDGE_TYPES = (CTX_INTRA, NBR_INTRA, NBR_INTER)
 METADATA = (NODE_TYPES, EDGE_TYPES)  # what PyG layers take as ``metadata``
-
-
-@dataclass
-class GraphConfig:
-    """Window sizes, neighbour count and inter edges (paper defaults: l = r = 1, k = 128 of
-    K = 1024, every window node linked to the context)."""
-    left: int = 1
-    right: int = 1
-    k: int = 32
-    ctx_window: Optional[int] = None
-    inter: Literal["window", "retrieved"] = "window"
-
-    def __post_init__(self):
-        # named as a `gnnlm fit` config writes them (data.init_args.graph.*): the user's fix
-        if self.left < 0 or self.right < 0:
-            raise ValueError(f"graph.left and graph.right (tokens on each side of a retrieved "
-                             f"one) must be >= 0 (got left={self.left}, right={self.right}).")
-        if self.k < 1:
-            raise ValueError(f"graph.k (windows retrieved per token) must be >= 1 "
-                             f"(got {self.k}).")
-        if self.ctx_window is not None and self.ctx_window < 1:
-            raise ValueError(f"graph.ctx_window must be >= 1, or null for the whole block "
-                             f"(got {self.ctx_window}).")
-        if self.inter not in ("window", "retrieved"):
-            raise ValueError(f"inter must be 'window' (every window node → its ctx token) or "
-                             f"'retrieved' (only the retrieved token) (got {self.inter!r}).")
-
-    @property
-    def width(self) -> int:
-        """Nodes in one unclipped neighbour window."""
-        return self.left + self.right + 1
 
 
 def graph_sizes(T: int, config: GraphConfig) -> dict:
@@ -123,7 +93,12 @@ def _causal_edges(T: int, config: GraphConfig) -> torch.Tensor:
     return _edges(ctx_src[causal], ctx_dst[causal])
 
 
-def _check_block(ctx_pos: np.ndarray, nbr_ids: np.ndarray, n_train: int) -> None:
+def _block_arrays(ctx_pos, nbr_ids, n_train: int, leakage_window: Optional[int] = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``ctx_pos`` [T] and ``nbr_ids`` [T, K] as int64 arrays, refused unless the positions
+    increase, the ids lie in [-1, n_train) and ``leakage_window`` is None or >= 0."""
+    ctx_pos = np.asarray(ctx_pos, dtype=np.int64)
+    nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
     if ctx_pos.ndim != 1:
         raise ValueError(f"ctx_pos must be 1-D [T] (got shape {ctx_pos.shape}).")
     T = ctx_pos.shape[0]
@@ -134,6 +109,9 @@ def _check_block(ctx_pos: np.ndarray, nbr_ids: np.ndarray, n_train: int) -> None
     if nbr_ids.size and (nbr_ids.min() < -1 or nbr_ids.max() >= n_train):
         raise ValueError(f"nbr_ids must lie in [-1, n_train = {n_train}) "
                          f"(got {nbr_ids.min()} … {nbr_ids.max()}).")
+    if leakage_window is not None and leakage_window < 0:
+        raise ValueError(f"leakage_window must be >= 0 or None (got {leakage_window}).")
+    return ctx_pos, nbr_ids
 
 
 def leaky(q: np.ndarray, owner: np.ndarray, ctx_pos: np.ndarray, context: int) -> np.ndarray:
@@ -162,6 +140,19 @@ def select_neighbors(nbr_ids: np.ndarray, k: int, keep: Optional[np.ndarray] = N
     return chosen
 
 
+def _windows(ctx_pos: np.ndarray, nbr_ids: np.ndarray, k: int, C: int) -> tuple[np.ndarray, int]:
+    """The k windows per token [T, k] (-1 padded): retrieved tokens that leak (``C`` > 0) are
+    skipped for the next stored neighbours. Also how many of the first k the rule replaced."""
+    if not C:
+        return select_neighbors(nbr_ids, k), 0
+    rows = np.arange(len(ctx_pos))[:, None]
+    usable = ~leaky(nbr_ids, np.broadcast_to(rows, nbr_ids.shape), ctx_pos, C)
+    unmasked = select_neighbors(nbr_ids, k)
+    windows_masked = int(((unmasked >= 0) & leaky(
+        unmasked, np.broadcast_to(rows, unmasked.shape), ctx_pos, C)).sum())
+    return select_neighbors(nbr_ids, k, usable), windows_masked
+
+
 def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
                 leakage_window: Optional[int] = None) -> HeteroData:
     """The graph of one block of T target tokens.
@@ -185,26 +176,13 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     ``nbr.batch``. The graph also carries ``windows_masked`` (retrieved tokens the leakage rule
     replaced by later neighbours) and ``nodes_masked`` (window mates it dropped).
     """
-    ctx_pos = np.asarray(ctx_pos, dtype=np.int64)
-    nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
-    _check_block(ctx_pos, nbr_ids, n_train)
+    ctx_pos, nbr_ids = _block_arrays(ctx_pos, nbr_ids, n_train, leakage_window)
     T = ctx_pos.shape[0]
-    if leakage_window is not None and leakage_window < 0:
-        raise ValueError(f"leakage_window must be >= 0 or None (got {leakage_window}).")
     # None (valid/test) and 0 (neighbors.leakage_window: 0, the no-masking ablation) mask
     # nothing: 0 is not a rule with C = 0, which would still drop every reachable target
     C = leakage_window or 0
-
-    # the k windows per token: retrieved tokens that leak are skipped for the next ones
     rows = np.arange(T)[:, None]
-    usable = None
-    windows_masked = 0
-    if C:
-        usable = ~leaky(nbr_ids, np.broadcast_to(rows, nbr_ids.shape), ctx_pos, C)
-        unmasked = select_neighbors(nbr_ids, config.k)
-        windows_masked = int(((unmasked >= 0) & leaky(
-            unmasked, np.broadcast_to(rows, unmasked.shape), ctx_pos, C)).sum())
-    ids = select_neighbors(nbr_ids, config.k, usable)                  # [T, k]
+    ids, windows_masked = _windows(ctx_pos, nbr_ids, config.k, C)      # [T, k]
 
     # neighbour windows, laid out [T, k, width]: node ids follow this row-major order
     offsets = np.arange(-config.left, config.right + 1)                # [width]
@@ -250,9 +228,7 @@ def build_context_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig) -> 
     (-1 = none), whose windows ``gnnlm.gnn.window_states`` supplies. The ``nbr`` node type is
     present and empty, so batches keep ``build_graph``'s schema. Arguments as ``build_graph``
     (no leakage rule: evaluation graphs only)."""
-    ctx_pos = np.asarray(ctx_pos, dtype=np.int64)
-    nbr_ids = np.asarray(nbr_ids, dtype=np.int64)
-    _check_block(ctx_pos, nbr_ids, n_train)
+    ctx_pos, nbr_ids = _block_arrays(ctx_pos, nbr_ids, n_train)
     T = ctx_pos.shape[0]
     data = HeteroData()
     data["ctx"].num_nodes = T

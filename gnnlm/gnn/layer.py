@@ -274,8 +274,8 @@ class GNNStack(nn.Module):
     DDP use ``strategy=ddp_find_unused_parameters_true`` with ``kind="hgt"``. ``norm`` and
     ``edge_aggr`` are GNNLMConv's (HGTLayer takes ``norm="pre"`` or ``"none"``, and sums).
 
-    ``forward`` passes messages over any ``edge_index_dict``; ``forward_dense`` computes the same
-    stack on the regular layout of ``gnnlm.gnn.dense`` (``kind="gnnlm"`` only).
+    ``forward`` passes messages over any ``edge_index_dict``; ``gnnlm.gnn.dense.stack_dense``
+    computes the same stack on the graphs' regular layout (``kind="gnnlm"`` only).
     """
 
     def __init__(self, channels: int, metadata: Metadata, num_layers: int = 3, heads: int = 4,
@@ -307,14 +307,3 @@ class GNNStack(nn.Module):
         for layer in self.layers:
             x_dict = layer(x_dict, edge_index_dict)
         return x_dict
-
-    def forward_dense(self, ctx: Tensor, nbr: Tensor, graph) -> tuple[Tensor, Tensor]:
-        """The stack on ``ctx`` [B, T, d] and ``nbr`` [B, T, k, w, d] of a
-        ``gnnlm.gnn.dense.DenseGraph``; returns both after the last layer."""
-        from gnnlm.gnn.dense import conv_dense
-
-        if self.kind != "gnnlm":
-            raise ValueError(f"the dense path computes GNNLMConv layers (got kind={self.kind!r}).")
-        for layer in self.layers:
-            ctx, nbr = conv_dense(cast(GNNLMConv, layer), ctx, nbr, graph)
-        return ctx, nbr

@@ -11,7 +11,6 @@ vectors the codebooks were fitted to (None when the codec was trained on every f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -19,21 +18,11 @@ import faiss
 import numpy as np
 import torch
 
+from gnnlm.gnn.settings import PQConfig  # the settings, without faiss: importable from here too
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.utils.progress import format_seconds, say
 from gnnlm.workdir.artifacts import ArtifactBuilder, open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
-
-
-@dataclass
-class PQConfig:
-    """``m`` sub-quantizers of 8 bits (bytes per vector; default d/4); ``opq`` adds a rotation.
-    The key type is the pipeline's primary key (``knn.keys[0]``), which the graphs read."""
-    m: Optional[int] = None
-    opq: bool = True
-    train_sample: int = 65536
-    seed: int = 0
-    chunk: int = 262144
 
 
 def codec_factory(d: int, m: int, opq: bool) -> str:

@@ -3,7 +3,12 @@
 Subclasses implement ``token_nll(batch, stage) -> (nll, mask, positions)``; this class turns it
 into the training loss, token-weighted ``val/ppl``/``test/ppl`` (exp(Σ NLL / Σ tokens), reduced
 across DDP ranks), per-token log-probabilities from ``predict``, and the AdamW + warmup/cosine
-optimiser over the trainable parameters.
+optimiser over the trainable parameters (``lr_groups`` names those trained at their own rate).
+
+Nothing here reads the data module: what a model needs from the data comes in as init
+arguments (linked by ``gnnlm.lit.cli``) or, for arrays, through ``attach_output_embedding``
+(``gnnlm.lit.datastore``); the split a predict run scores is ``predict_split``, set by whoever
+runs it.
 """
 from __future__ import annotations
 
@@ -17,12 +22,19 @@ from gnnlm.lit.optim import adamw_warmup_cosine
 from gnnlm.utils.metrics import TokenNLL
 
 
+def predicted_tokens(nll: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> dict:
+    """``predict``'s output for a batch: the scored tokens' split positions and log p(target)."""
+    keep = mask.bool()
+    return {"positions": positions[keep].cpu(), "logprob": (-nll[keep]).float().cpu()}
+
+
 class TokenLevelModule(pl.LightningModule):
     """Needs hparams ``lr``, ``weight_decay``, ``warmup_steps``, ``min_lr_ratio``.
 
     Heads on frozen features set ``uses_output_embedding = True``: the base LM's output embedding
-    is then taken from the data module at ``setup`` into non-persistent buffers ``out_weight`` /
-    ``out_bias`` (kept out of checkpoints), or set with ``attach_output_embedding``.
+    is then set with ``attach_output_embedding`` (by ``gnnlm.lit.datastore.AttachDatastore`` in
+    a ``gnnlm`` command) into non-persistent buffers ``out_weight`` / ``out_bias``, kept out of
+    checkpoints.
     """
     uses_output_embedding = False
 
@@ -30,6 +42,8 @@ class TokenLevelModule(pl.LightningModule):
         super().__init__()
         self.val_nll, self.test_nll = TokenNLL(), TokenNLL()
         self.logit_softcap: Optional[float] = None  # the base LM's (Gemma 2), with W
+        # the split a predict run scores: whoever runs predict sets it (gnnlm.pipeline.runner)
+        self.predict_split = "test"
         if self.uses_output_embedding:
             self.register_buffer("out_weight", torch.empty(0), persistent=False)
             self.register_buffer("out_bias", torch.empty(0), persistent=False)
@@ -46,15 +60,12 @@ class TokenLevelModule(pl.LightningModule):
         self.out_bias = (bias if bias is not None else torch.zeros(V)).to(self.device,
                                                                         torch.float32)
 
-    def setup(self, stage: str) -> None:
-        if (self.uses_output_embedding and self.out_weight.numel() == 0
-                and self.trainer is not None and self.trainer.datamodule is not None):
-            data = self.trainer.datamodule
-            self.attach_output_embedding(*data.output_embedding(),
-                                         getattr(data, "logit_softcap", None))
+    @property
+    def has_output_embedding(self) -> bool:
+        return self.uses_output_embedding and self.out_weight.numel() > 0
 
     def output_embedding(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.out_weight.numel() == 0:
+        if not self.has_output_embedding:
             raise RuntimeError("No output embedding: call attach_output_embedding(W, b) first.")
         return self.out_weight, self.out_bias
 
@@ -80,8 +91,7 @@ class TokenLevelModule(pl.LightningModule):
     def predict_step(self, batch, batch_idx: int) -> dict:
         """Per-token log p(target) with split positions, for reports on exactly the same tokens."""
         nll, mask, positions = self.token_nll(batch, "predict")
-        keep = mask.bool()
-        return {"positions": positions[keep].cpu(), "logprob": (-nll[keep]).float().cpu()}
+        return predicted_tokens(nll, mask, positions)
 
     def _log_eval(self, stage: str, metric: TokenNLL) -> None:
         nll = metric.compute()  # already summed over ranks
@@ -97,7 +107,12 @@ class TokenLevelModule(pl.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_eval("test", self.test_nll)
 
+    def lr_groups(self) -> list[tuple[list[torch.nn.Parameter], float]]:
+        """``(parameters, lr)`` trained at another learning rate than ``lr`` (none here)."""
+        return []
+
     def configure_optimizers(self):
         hp = self.hparams
         return adamw_warmup_cosine(self, self.named_parameters(), hp.lr, hp.weight_decay,
-                                   hp.warmup_steps, hp.min_lr_ratio, hp.get("betas", (0.9, 0.95)))
+                                   hp.warmup_steps, hp.min_lr_ratio, hp.get("betas", (0.9, 0.95)),
+                                   self.lr_groups())

@@ -11,7 +11,7 @@ from argparse import ArgumentError
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
 
-from gnnlm.cli import LIGHTNING_COMMANDS
+from gnnlm.lit import LIGHTNING_COMMANDS
 
 
 class _DropLines(logging.Filter):
@@ -45,17 +45,31 @@ class GnnlmCLI(LightningCLI):
         from gnnlm.lit.progress_log import ProgressLog
 
         parser.add_lightning_class_args(ProgressLog, "progress_log")
-        # Sizes flow from the data to the model (a link is skipped when a class lacks the key).
-        parser.link_arguments("data.vocab_size", "model.init_args.vocab_size",
-                              apply_on="instantiate")
-        parser.link_arguments("data.feature_dim", "model.init_args.feature_dim",
-                              apply_on="instantiate")
+        # What the model needs to know of its data flows from the data module to the model,
+        # once, here: the model never reads the data module (a link is skipped when the data
+        # module lacks the attribute or the model the argument).
+        for name in ("vocab_size", "feature_dim",
+                     "vocab_fingerprint",        # what the base LM's token ids mean
+                     "graph",                    # GNN-LM: the graphs' layout
+                     "retrieved", "stored_k"):   # SPALM: the k the data can serve
+            parser.link_arguments(f"data.{name}", f"model.init_args.{name}",
+                                  apply_on="instantiate")
         # heads that run the base LM take the one their datastore was built with
         parser.link_arguments("data.base_lm", "model.init_args.base_lm", apply_on="instantiate")
         parser.link_arguments("data.base_lm_fingerprint", "model.init_args.base_lm_fingerprint",
                               apply_on="instantiate")
         parser.link_arguments("data.base_lm_options", "model.init_args.base_lm_options",
                               apply_on="instantiate")
+
+    def instantiate_trainer(self, **kwargs) -> pl.Trainer:
+        """The config's trainer, with the callback that hands the model the work directory's
+        arrays it reads (``gnnlm.lit.datastore``): every command gets it, whatever the
+        config's ``trainer.callbacks`` list says."""
+        from gnnlm.lit.datastore import AttachDatastore
+
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(AttachDatastore())
+        return trainer
 
     def parse_arguments(self, parser, args) -> None:
         """Parse, then refuse a ``--ckpt_path`` of another model or data module than the config
@@ -66,13 +80,19 @@ class GnnlmCLI(LightningCLI):
         config = self.config.get(subcommand) if subcommand else self.config
         ckpt_path = config.get("ckpt_path") if config is not None else None
         if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
-            from gnnlm.workdir.checkpoints import check_trained_as
+            import torch
+
+            from gnnlm.workdir.checkpoints import check_trained_as, plain_classes
 
             def class_path(key: str) -> str | None:
                 value = config.get(key)
                 return getattr(value, "class_path", None) if value is not None else None
 
             check_trained_as(ckpt_path, class_path("model"), class_path("data"))
+            # LightningCLI and the Trainer then load the checkpoint with weights_only=True: the
+            # configuration classes saved in its hyper-parameters (e.g. the GNN-LM's graph
+            # layout, imported by now with the classes the config names) are plain data
+            torch.serialization.add_safe_globals(plain_classes())
 
 
 def lightning_main(args: list[str] | None = None) -> GnnlmCLI:

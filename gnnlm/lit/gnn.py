@@ -8,14 +8,14 @@ checkpoints; ``attach_output_embedding`` sets it when the module is used outside
 
 ``impl="dense"`` runs the layers on the graphs' regular layout (``gnnlm.gnn.dense``), ``"pyg"``
 by message passing over the edges (``GNNLMConv.forward``); both compute the same function with
-the same weights. The window sizes, inter edges and ctx window of that layout are the data
-module's ``graph``, taken at ``setup`` (or given with ``graph``).
+the same weights. The window sizes, inter edges and ctx window of that layout are ``graph``,
+the data module's, which ``gnnlm fit`` links into the model.
 
 Evaluation blocks that name their windows by position (``ctx.retrieved``, the data module's
 ``eval_windows="once"``) are read through ``gnnlm.gnn.window_states.WindowStates``: each retrieved
 window is computed once, for every token and every evaluation that retrieves it while the
-weights stay the same. Its node features come from the data module at ``setup``
-(``attach_node_features`` outside a Trainer).
+weights stay the same. Its node features are attached with ``attach_node_features``
+(``gnnlm.lit.datastore.AttachDatastore`` in a ``gnnlm`` command).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Literal, Optional
 import torch
 from torch.nn import functional as F
 
-from gnnlm.gnn.dense import to_dense
+from gnnlm.gnn.dense import stack_dense, to_dense
 from gnnlm.gnn.graph import METADATA, GraphConfig
 from gnnlm.gnn.layer import GNNStack
 from gnnlm.gnn.window_states import NodeFeatures, WindowStates
@@ -44,12 +44,32 @@ class GNNLM(TokenLevelModule):
                  kind: Literal["gnnlm", "hgt"] = "gnnlm", impl: Literal["dense", "pyg"] = "dense",
                  zero_init_output: bool = True, lr: float = 5e-4, weight_decay: float = 0.01,
                  warmup_steps: int = 100, min_lr_ratio: float = 0.1,
-                 max_windows: Optional[int] = None):
-        """``vocab_size`` and ``feature_dim`` are linked from the graph data module by the CLI.
-        ``norm``/``edge_aggr`` choose between the paper's equations (``"none"``, ``"sum"``)
-        and the reference implementation's layer (``"post"``, ``"mean"``). ``max_windows``:
-        the most retrieved windows whose states evaluation keeps (default: one per train
-        position; see ``gnnlm.gnn.window_states``)."""
+                 max_windows: Optional[int] = None, graph: Optional[GraphConfig] = None):
+        """GNN-LM over the retrieval graph, read out by the base LM's frozen softmax.
+
+        Args:
+            vocab_size: the base LM's vocabulary size (linked from the data module).
+            feature_dim: the base LM's hidden size d (linked from the data module).
+            num_layers: GNN layers (the paper: 3).
+            heads: attention heads per layer.
+            dropout: dropout probability in training.
+            norm: the paper's equations (``none``), a LayerNorm on each layer's inputs
+                (``pre``), or the reference implementation's after each residual (``post``).
+            edge_aggr: messages summed over edge types (the paper's ``sum``) or averaged
+                (the reference implementation's ``mean``).
+            kind: GNN-LM layers (``gnnlm``) or the HGT baseline (``hgt``, ``impl='pyg'`` only).
+            impl: run on the graphs' regular layout (``dense``) or by message passing (``pyg``).
+            zero_init_output: start each layer's W^o at zero: the stack is then the identity and
+                the model starts as the base LM (without ``norm='post'``).
+            lr: the peak learning rate of AdamW.
+            weight_decay: AdamW's decoupled weight decay (matrices only).
+            warmup_steps: linear warmup steps before the cosine decay.
+            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            max_windows: the most retrieved windows whose states evaluation keeps (None: one
+                per train position; see ``gnnlm.gnn.window_states``).
+            graph: the graphs' window sizes, inter edges and ctx window (linked from the data
+                module's ``graph``; the dense path and evaluation windows need it).
+        """
         super().__init__()
         if feature_dim <= 0:
             raise ValueError(f"feature_dim must be the base LM's hidden size (got {feature_dim}).")
@@ -60,17 +80,14 @@ class GNNLM(TokenLevelModule):
         self.gnn = GNNStack(feature_dim, METADATA, num_layers=num_layers, heads=heads,
                             dropout=dropout, norm=norm, edge_aggr=edge_aggr, kind=kind,
                             zero_init_output=zero_init_output, readout=("ctx",))
-        self.graph: Optional[GraphConfig] = None
+        self.graph: Optional[GraphConfig] = (
+            graph if graph is None or isinstance(graph, GraphConfig) else GraphConfig(**graph))
         self._node_features: Optional[tuple[NodeFeatures, int]] = None
         self._window_states: Optional[WindowStates] = None
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        datamodule = self.trainer.datamodule if self.trainer is not None else None
-        if self.graph is None and datamodule is not None:
-            self.graph = datamodule.graph
-        if self._node_features is None and hasattr(datamodule, "node_features"):
-            self.attach_node_features(datamodule.node_features(), datamodule.n_train)
+    @property
+    def has_node_features(self) -> bool:
+        return self._node_features is not None
 
     def attach_node_features(self, node_features: NodeFeatures, n_train: int) -> None:
         """The train node features (positions → float32 [n, d]) and the train split's size,
@@ -82,8 +99,9 @@ class GNNLM(TokenLevelModule):
         """The window-state table of this model's GNN for the current graph layout."""
         if self._node_features is None or self.graph is None:
             raise RuntimeError("Evaluation blocks without window nodes need the node features "
-                               "and the graph layout: evaluate with a GraphDataModule, or call "
-                               "attach_node_features(...) and set model.graph.")
+                               "and the graph layout: evaluate with `gnnlm` on a "
+                               "GraphDataModule, or call attach_node_features(...) and set "
+                               "model.graph.")
         states = self._window_states
         if states is None or states.config != dataclasses.replace(self.graph, k=states.config.k):
             states = WindowStates(self.gnn, *self._node_features, self.graph,
@@ -95,13 +113,13 @@ class GNNLM(TokenLevelModule):
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
         if self.hparams.impl == "dense":
             if self.graph is None:
-                raise RuntimeError("The dense path needs the graphs' layout: train with a "
-                                   "GraphDataModule, or set model.graph = its GraphConfig.")
+                raise RuntimeError("The dense path needs the graphs' layout: pass graph (`gnnlm` "
+                                   "links the GraphDataModule's), or set model.graph.")
             ctx, nbr, layout = to_dense(batch, self.graph)
             if layout.retrieved is not None:  # evaluation: each retrieved window once
                 h = self.window_states()(ctx, layout)[layout.ctx_mask]       # [n_ctx, d]
             else:
-                h = self.gnn.forward_dense(ctx, nbr, layout)[0][layout.ctx_mask]
+                h = stack_dense(self.gnn, ctx, nbr, layout)[0][layout.ctx_mask]
         elif "retrieved" in batch["ctx"]:
             raise ValueError("impl='pyg' passes messages over window nodes: evaluate with the "
                              "data module's eval_windows='per_retrieval'.")

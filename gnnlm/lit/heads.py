@@ -1,10 +1,14 @@
 """LightningModules for heads trained on frozen features (batches from ``FeatureDataModule``).
 
-- ``SpalmLM``: SPALM's gated long-term memory over the top-k retrieved next tokens;
+- ``SpalmLM``: SPALM's gated long-term memory over the top-k retrieved next tokens
+  (Yogatama et al. 2021);
 - ``SpalmFinetuneLM``: the same gate with the base LM's last block and final norm trained too
   (token windows from ``RetrievalWindowsDataModule``);
 - ``LearnedDatastoreLM``: a learned W_ds (V×d, or n·V×d summed per word) on ``att`` features,
-  interpolated with the base LM at evaluation time (Xu et al. §4.1–4.2).
+  interpolated with the base LM at evaluation time (Xu et al. 2023, §4.1–4.2).
+
+The two SPALM heads give, in predict, each token's gate averaged over its d dimensions
+(``gnnlm.lit.gates``), as SPALM trained end to end does.
 """
 from __future__ import annotations
 
@@ -13,39 +17,42 @@ from typing import Optional
 import torch
 
 from gnnlm.lit.base import TokenLevelModule
+from gnnlm.lit.gates import PerTokenGate
 from gnnlm.models import load_base_lm
 from gnnlm.models.multi_embedding import MultiEmbeddingSoftmax
 from gnnlm.spalm.gate import SpalmGate
 from gnnlm.utils.metrics import target_nll
 
 
-class GateHistogram:
-    """SPALM Figure 5: the distribution of gate values over the scored tokens of a predict run."""
-
-    def record_gate(self, gate: torch.Tensor, mask: torch.Tensor, stage: str) -> None:
-        if stage == "predict":
-            scored = gate[mask.bool()].detach().float().cpu()
-            self.gate_histogram += torch.histc(scored, bins=20, min=0, max=1).long()
-
-    def on_predict_epoch_start(self) -> None:
-        self.gate_histogram = torch.zeros(20, dtype=torch.long)  # of the last predict run
+class GatedHead(PerTokenGate, TokenLevelModule):
+    """SPALM's gate on the base LM (Yogatama et al. 2021): predict gives each token's mean
+    gate (``gnnlm.lit.gates``)."""
 
     def deviations(self) -> list[str]:
         """A learned gate bias is not in the paper's gate (the report names it in the label)."""
         return [] if self.hparams.gate_bias is None else ["gate bias"]
 
 
-class SpalmLM(GateHistogram, TokenLevelModule):
+class SpalmLM(GatedHead):
     uses_output_embedding = True
 
     def __init__(self, vocab_size: int = 0, feature_dim: int = 0,
                  gate_bias: Optional[float] = None,
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
                  min_lr_ratio: float = 0.1):
-        """Only the gate w_g is trained; W is the base LM's frozen output embedding, so with
-        g = 1 the head is exactly the base LM. ``vocab_size``/``feature_dim`` come from the data.
-        ``gate_bias``: None is the paper's gate; a number starts a learned bias there
-        (``SpalmGate``)."""
+        """SPALM's gate on frozen features: only the gate w_g is trained; W is the base LM's
+        frozen output embedding, so with g = 1 the head is exactly the base LM.
+
+        Args:
+            vocab_size: the base LM's vocabulary size (linked from the data module).
+            feature_dim: the base LM's hidden size d (linked from the data module).
+            gate_bias: None is the paper's gate; a number starts a learned bias there
+                (``SpalmGate``).
+            lr: the peak learning rate of AdamW.
+            weight_decay: AdamW's decoupled weight decay (matrices only).
+            warmup_steps: linear warmup steps before the cosine decay.
+            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+        """
         super().__init__()
         self.save_hyperparameters()
         self.head = SpalmGate(feature_dim, gate_bias)
@@ -55,31 +62,40 @@ class SpalmLM(GateHistogram, TokenLevelModule):
         return self.head(batch["h"], batch["nbr_values"], weight, bias, force_gate,
                          logit_softcap=self.logit_softcap)
 
-    def token_nll(self, batch: dict, stage: str):
+    def gated_nll(self, batch: dict, stage: str):
         logits, gate = self(batch)
         nll = target_nll(logits, batch["target"])
-        mask = torch.ones_like(nll)
-        self.record_gate(gate, mask, stage)
-        return nll, mask, batch["positions"]
+        return nll, torch.ones_like(nll), batch["positions"], gate
 
 
-class SpalmFinetuneLM(GateHistogram, TokenLevelModule):
+class SpalmFinetuneLM(GatedHead):
     def __init__(self, base_lm: str = "", vocab_size: int = 0, feature_dim: int = 0,
                  base_lm_fingerprint: Optional[str] = None,
                  base_lm_options: Optional[dict] = None,
                  gate_bias: Optional[float] = None,
                  lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
                  min_lr_ratio: float = 0.1):
-        """SPALM (``SpalmGate``) on the base LM ``base_lm`` (a ``gnnlm fit`` checkpoint or
-        ``hf:<name>``; linked from ``RetrievalWindowsDataModule``, which reads it from the
-        datastore), training the gate w_g together with the LM's last block and final norm.
-        ``base_lm_options``: how a Hugging Face base LM was loaded for the datastore (its
-        feature paths and dtype; linked from the data module too).
+        """SPALM (``SpalmGate``) on the base LM, training the gate w_g together with the LM's
+        last block and final norm.
 
         Everything below the last block, and the word embedding W shared by input and output,
         stay frozen; so do the keys: the neighbours were retrieved with the frozen LM (SPALM
         §3: keys are not updated, which fixes each token's neighbours). With g = 1 and the
         block untrained the model is exactly the base LM.
+
+        Args:
+            base_lm: a ``gnnlm fit`` checkpoint or ``hf:<name>`` (linked from
+                ``RetrievalWindowsDataModule``, which reads it from the datastore).
+            vocab_size: the data's vocabulary size (linked), checked against the LM's.
+            feature_dim: the data's hidden size (linked), checked against the LM's.
+            base_lm_fingerprint: the weights the datastore was built with (linked), checked.
+            base_lm_options: how a Hugging Face base LM was loaded for the datastore (its
+                feature paths and dtype; linked).
+            gate_bias: None is the paper's gate; a number starts a learned bias there.
+            lr: the peak learning rate of AdamW.
+            weight_decay: AdamW's decoupled weight decay (matrices only).
+            warmup_steps: linear warmup steps before the cosine decay.
+            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -117,19 +133,30 @@ class SpalmFinetuneLM(GateHistogram, TokenLevelModule):
                          None if bias is None else bias.float(), force_gate,
                          logit_softcap=self.lm.logit_softcap)
 
-    def token_nll(self, batch: dict, stage: str):
+    def gated_nll(self, batch: dict, stage: str):
         logits, gate = self(batch)
         nll = target_nll(logits, batch["target"].flatten())
         mask = batch.get("mask", torch.ones_like(batch["target"], dtype=torch.float)).flatten()
-        self.record_gate(gate, mask, stage)
-        return nll, mask.float(), batch["positions"].flatten()
+        return nll, mask.float(), batch["positions"].flatten(), gate
 
 
 class LearnedDatastoreLM(TokenLevelModule):
     def __init__(self, vocab_size: int = 0, feature_dim: int = 0, embeddings_per_word: int = 1,
                  lr: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
                  min_lr_ratio: float = 0.1):
-        """Train with ``FeatureDataModule(key="att")`` (Xu et al.: h_ds = att)."""
+        """A learned W_ds; train with ``FeatureDataModule(key="att")`` (Xu et al. 2023:
+        h_ds = att).
+
+        Args:
+            vocab_size: the base LM's vocabulary size (linked from the data module).
+            feature_dim: the ``att`` features' size (linked from the data module).
+            embeddings_per_word: n, embeddings per word whose probabilities are summed
+                (Xu et al. §4.2; 1: one V×d matrix).
+            lr: the peak learning rate of AdamW.
+            weight_decay: AdamW's decoupled weight decay (matrices only).
+            warmup_steps: linear warmup steps before the cosine decay.
+            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+        """
         super().__init__()
         self.save_hyperparameters()
         self.head = MultiEmbeddingSoftmax(vocab_size, feature_dim, embeddings_per_word)

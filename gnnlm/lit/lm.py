@@ -4,13 +4,16 @@ The nn.Module (``gnnlm.models.gpt.GPT``) holds the network; this module only wir
 training loop. Evaluation batches carry a score mask (sliding windows or memory segments), so
 ``val/ppl`` and ``test/ppl`` are token-weighted over the whole split under a stated protocol.
 
-With ``memory_length > 0`` (Transformer-XL short-term memory) the data module serves contiguous
-segments per stream, and the memory of one batch is passed to the next.
+With ``memory_length > 0`` (Transformer-XL short-term memory, Dai et al. 2019) the data module
+serves contiguous segments per stream, and the memory of one batch is passed to the next
+(``gnnlm.lit.memory``).
 
 The checkpoint records ``vocab_fingerprint``, the fingerprint of the vocabulary the model is
 trained on (the data module's ordered token list): a token id is only a row of the embedding,
 so whoever reads the model with other tokens (the pipeline, a later fit or test) can tell that
-the ids would mean other words, which equal vocabulary sizes do not show.
+the ids would mean other words, which equal vocabulary sizes do not show. ``gnnlm fit`` links
+it from the data module's tokens; weights restored from a checkpoint are refused when theirs
+differs.
 """
 from __future__ import annotations
 
@@ -19,19 +22,38 @@ from typing import Optional
 import torch
 
 from gnnlm.lit.base import TokenLevelModule
+from gnnlm.lit.memory import SegmentMemory
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.utils.metrics import target_nll
 
 
-class LanguageModel(TokenLevelModule):
+class LanguageModel(SegmentMemory, TokenLevelModule):
     def __init__(self, vocab_size: int = 0, context_length: int = 256, n_layer: int = 4,
                  n_head: int = 4, d_model: int = 256, d_ff: int = 1024, dropout: float = 0.1,
                  tie_embeddings: bool = True, memory_length: int = 0, lr: float = 1e-3,
                  weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  warmup_steps: int = 100, min_lr_ratio: float = 0.1,
                  vocab_fingerprint: Optional[str] = None):
-        """``vocab_size`` is linked from the data module by the CLI; ``vocab_fingerprint`` is
-        taken from the data module at ``setup`` (a checkpoint's is restored with it)."""
+        """The built-in GPT base LM.
+
+        Args:
+            vocab_size: the tokens' vocabulary size (linked from the data module).
+            context_length: the most positions one window reads.
+            n_layer: transformer blocks.
+            n_head: attention heads per block.
+            d_model: the hidden size d.
+            d_ff: the feed-forward inner size.
+            dropout: dropout probability in training.
+            tie_embeddings: one matrix for the input and output embeddings.
+            memory_length: Transformer-XL memory M, cached states per layer (0: none).
+            lr: the peak learning rate of AdamW.
+            weight_decay: AdamW's decoupled weight decay (matrices only).
+            betas: AdamW's betas.
+            warmup_steps: linear warmup steps before the cosine decay.
+            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            vocab_fingerprint: the fingerprint of the vocabulary the ids mean (linked from the
+                data module's tokens; a checkpoint's is restored with it).
+        """
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(
@@ -39,34 +61,26 @@ class LanguageModel(TokenLevelModule):
             d_model=d_model, d_ff=d_ff, dropout=dropout, tie_embeddings=tie_embeddings,
             memory_length=memory_length))
         self.memory_length = memory_length
-        self._memory: dict[str, Optional[list[torch.Tensor]]] = {}
 
     def token_nll(self, batch: dict, stage: str):
         """NLL of every position; Transformer-XL memory is carried between batches of a stage."""
-        memory = self._memory.get(stage) if self.memory_length else None
-        if memory is not None and memory[0].shape[0] != batch["input"].shape[0]:
-            memory = None  # a smaller final batch: its streams are not the previous ones
+        memory = self.memory_for(stage, batch["input"].shape[0])
         feats = self.model(batch["input"], memory=memory)
-        if self.memory_length:
-            self._memory[stage] = feats.memory
+        self.keep_memory(stage, feats.memory)
         logits = self.model.logits(feats.final)                           # [B, T, V]
         nll = target_nll(logits.flatten(0, 1), batch["target"].flatten())
         mask = batch.get("mask", torch.ones_like(batch["target"], dtype=torch.float))
         positions = batch.get("positions")
         return nll, mask.flatten().float(), None if positions is None else positions.flatten()
 
-    def setup(self, stage: str) -> None:
-        """Record the vocabulary of the data module's tokens, or refuse tokens of another."""
-        super().setup(stage)
-        data = self.trainer.datamodule if self.trainer is not None else None
-        self._same_vocabulary(getattr(data, "vocab_fingerprint", None), "the data module's tokens")
-
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Weights restored from a checkpoint were trained on its recorded vocabulary."""
         saved = (checkpoint.get("hyper_parameters") or {}).get("vocab_fingerprint")
-        self._same_vocabulary(saved, "the checkpoint's weights")
+        self.check_vocabulary(saved, "the checkpoint's weights")
 
-    def _same_vocabulary(self, fingerprint: Optional[str], source: str) -> None:
+    def check_vocabulary(self, fingerprint: Optional[str], source: str) -> None:
+        """Refuse ids of another vocabulary than the model's (``source`` names where
+        ``fingerprint`` comes from); a model that records none takes this one."""
         recorded = self.hparams.get("vocab_fingerprint")
         if fingerprint is None or recorded == fingerprint:
             return
@@ -77,16 +91,3 @@ class LanguageModel(TokenLevelModule):
                          f"{source} ({fingerprint}): token ids would mean different words. "
                          f"Train and evaluate a model with the corpus and tokenizer it was "
                          f"trained on.")
-
-    def on_train_epoch_start(self) -> None:
-        self._memory["train"] = None
-
-    def on_validation_epoch_start(self) -> None:
-        self._memory["val"] = None
-
-    def on_test_epoch_start(self) -> None:
-        self._memory["test"] = None
-
-    def on_predict_epoch_start(self) -> None:
-        super().on_predict_epoch_start()
-        self._memory["predict"] = None

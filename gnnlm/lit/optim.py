@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -16,13 +16,33 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def decay_groups(params: list[torch.nn.Parameter], weight_decay: float,
+                 **options) -> list[dict]:
+    """Two parameter groups: matrices decay, biases/norms/gains (fewer than 2 dims) do not."""
+    return [{"params": [p for p in params if p.dim() >= 2], **options,
+             "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], **options, "weight_decay": 0.0}]
+
+
 def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, lr: float,
                         weight_decay: float, warmup_steps: int, min_lr_ratio: float,
-                        betas: tuple[float, float] = (0.9, 0.95)) -> dict:
-    """``configure_optimizers`` result; matrices decay, biases/norms/gains do not."""
-    params = [(n, p) for n, p in named_params if p.requires_grad]
-    groups = [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
+                        betas: tuple[float, float] = (0.9, 0.95),
+                        lr_groups: Sequence[tuple[Iterable[torch.nn.Parameter], float]] = ()
+                        ) -> dict:
+    """``configure_optimizers`` result over the trainable ``named_params``.
+
+    ``lr_groups``: ``(parameters, lr)`` pairs trained at their own learning rate (e.g. what
+    SPALM adds to a warm-started LM). Their parameters leave the two groups at ``lr``, which
+    come first and are always there (a checkpoint's optimiser state counts them); each pair
+    then adds its own decay / no-decay groups, leaving out one it has no parameters for. Every
+    group lists its parameters in ``named_params``' order, and every group follows the one
+    warmup + cosine schedule."""
+    params = [p for _, p in named_params if p.requires_grad]
+    own_lr = {id(p): i for i, (group, _) in enumerate(lr_groups) for p in group}
+    groups = decay_groups([p for p in params if id(p) not in own_lr], weight_decay)
+    for i, (_, group_lr) in enumerate(lr_groups):
+        mine = [p for p in params if own_lr.get(id(p)) == i]
+        groups += [g for g in decay_groups(mine, weight_decay, lr=group_lr) if g["params"]]
     optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
     total = max(1, int(module.trainer.estimated_stepping_batches))
     schedule = torch.optim.lr_scheduler.LambdaLR(

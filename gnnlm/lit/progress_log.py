@@ -85,7 +85,8 @@ class ProgressLog(Callback):
         max_epochs = trainer.max_epochs  # -1 when max_steps bounds training instead
         parts.append(f"epoch {trainer.current_epoch + 1}"
                      + (f"/{max_epochs}" if max_epochs is not None and max_epochs > 0 else ""))
-        timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set when a fit starts
+        timer = next((c for c in callbacks if isinstance(c, Timer)), None)
         if timer is not None:  # trainer.max_time ends training first when it is sooner
             remaining = timer.time_remaining()
             if remaining is not None:

@@ -15,9 +15,11 @@ scored once, memory carried from one segment of a stream to the next):
 - Transformer-XL: ``k`` = 0 (no gate: exactly the GPT), ``memory_length`` > 0;
 - transformer: ``k`` = 0, ``memory_length`` = 0 (each segment read without memory).
 
-Predict runs record, per scored token, the gate averaged over its d dimensions (SPALM Fig. 4-5
-count tokens), and on the valid split the perplexity of the trained model when it reads each
-k of ``k_curve`` neighbours (SPALM Table 5); ``gnnlm.pipeline.runner`` stores both with the scores.
+Predict gives, per scored token, the gate averaged over its d dimensions (SPALM Fig. 4-5 count
+tokens; ``gnnlm.lit.gates``), and on the valid split records the perplexity of the trained model
+when it reads each k of ``k_curve`` neighbours (SPALM Table 5); ``gnnlm.pipeline.runner`` stores
+both with the scores. Transformer-XL memory (Dai et al. 2019) is carried from one segment of a
+stream to the next as in the base LM (``gnnlm.lit.memory``).
 """
 from __future__ import annotations
 
@@ -28,17 +30,25 @@ import numpy as np
 import torch
 
 from gnnlm.lit.base import TokenLevelModule
-from gnnlm.lit.optim import warmup_cosine
+from gnnlm.lit.gates import PerTokenGate
+from gnnlm.lit.memory import SegmentMemory
 from gnnlm.models import load_gpt_checkpoint
 from gnnlm.models.gpt import GPT
-from gnnlm.spalm.analysis import check_k_curve
 from gnnlm.spalm.model import Spalm, SpalmOutput
 from gnnlm.utils.metrics import target_nll
 
 INITS = ("warm", "scratch")
 
 
-class SpalmXL(TokenLevelModule):
+def check_k_curve(ks: list[int], stored: int) -> None:
+    """Refuse a k the stored neighbours cannot serve (k > K, or k < 1)."""
+    bad = [k for k in ks if not 1 <= int(k) <= stored]
+    if bad:
+        raise ValueError(f"k = {bad} neighbours asked for, but {stored} are stored per token: "
+                         f"the k curve can only read 1 <= k <= K.")
+
+
+class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
     def __init__(self, base_lm: str = "", base_lm_fingerprint: Optional[str] = None,
                  vocab_size: int = 0, k: int = 4, memory_length: int = 128,
                  init: str = "warm", dropout: Optional[float] = None,
@@ -46,21 +56,41 @@ class SpalmXL(TokenLevelModule):
                  k_curve: Optional[list[int]] = None, k_curve_tokens: Optional[int] = None,
                  lr: float = 1e-3, gate_lr: Optional[float] = None, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50,
-                 min_lr_ratio: float = 0.1):
-        """``base_lm``: the built-in LM (a ``gnnlm fit`` checkpoint) that the datastore's keys
-        come from; linked from ``SpalmDataModule``, which reads it from the features. Its
-        architecture is the model's; ``init`` says whether its weights are the start.
+                 min_lr_ratio: float = 0.1, retrieved: Optional[int] = None,
+                 stored_k: Optional[int] = None):
+        """SPALM trained end to end on the built-in LM, or its Transformer-XL / transformer
+        baselines.
 
-        ``k``: the retrieved next tokens each position reads (0: no long-term memory, no
-        gate). ``memory_length``: M cached states per layer (0: none).
-        ``dropout``: None keeps the base LM's. ``k_curve``: the k's at which predict on valid
-        also scores the model (Table 5; at most the values the data carries, and those at
-        most the stored K); ``k_curve_tokens``: only the first that many valid positions.
         ``gate_bias`` and ``memory_scale``: None and ``"none"`` are the paper's equations; a
         number starts a learned gate bias, ``"learned"`` scales m_t by a learned s started at
         ‖h‖/‖y‖ (``gnnlm.spalm.model`` says what each changes; the report names those on).
-        ``gate_lr``: the learning rate of what SPALM adds (w_g and log s; None: ``lr``); a
-        warm-started LM wants a small step, while w_g starts from zero.
+
+        Args:
+            base_lm: the built-in LM (a ``gnnlm fit`` checkpoint) that the datastore's keys
+                come from (linked from ``SpalmDataModule``, which reads it from the features);
+                its architecture is the model's.
+            base_lm_fingerprint: the weights the datastore was built with (linked), checked.
+            vocab_size: the data's vocabulary size (linked), checked against the LM's.
+            k: retrieved next tokens each position reads (0: no long-term memory, no gate).
+            memory_length: Transformer-XL memory M, cached states per layer (0: none).
+            init: start from the base LM's weights (``warm``) or at random (``scratch``).
+            dropout: the LM's dropout probability (None: the base LM's).
+            gate_bias: None is the paper's gate; a number starts a learned bias there.
+            memory_scale: ``none`` (the paper's m_t) or ``learned`` (s·m_t).
+            k_curve: the k's at which predict on valid also scores the model (Table 5; at
+                most the values the data carries, and those at most the stored K).
+            k_curve_tokens: score the k curve on only the first that many valid positions.
+            lr: the peak learning rate of AdamW.
+            gate_lr: the learning rate of what SPALM adds (w_g and log s; None: ``lr``); a
+                warm-started LM wants a small step, while w_g starts from zero.
+            weight_decay: AdamW's decoupled weight decay (matrices only).
+            betas: AdamW's betas.
+            warmup_steps: linear warmup steps before the cosine decay.
+            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            retrieved: retrieved values per position the data carries (linked from the data
+                module; None: unchecked): the model refuses a k or k curve beyond it.
+            stored_k: neighbours stored per token, K (linked from the data module; None:
+                unchecked): the k curve must stay within it.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -72,6 +102,13 @@ class SpalmXL(TokenLevelModule):
         if k_curve and (not k or min(k_curve) < 1):
             raise ValueError(f"k_curve {k_curve} needs a model with long-term memory "
                              f"(k > 0) and values k >= 1.")
+        if k and k_curve and stored_k is not None:
+            check_k_curve(k_curve, stored_k)
+        needed = max([k, *(k_curve or [])])
+        if k and retrieved is not None and retrieved < needed:
+            raise ValueError(f"The model reads up to k = {needed} retrieved values per position "
+                             f"(k {k}, k_curve {k_curve}) but the data "
+                             f"carries data.retrieved = {retrieved}: raise it.")
         if not base_lm or base_lm.startswith("hf:"):
             raise ValueError("SpalmXL needs base_lm: a checkpoint of the built-in LM (the one "
                              "the datastore was built with; SpalmDataModule supplies it). "
@@ -92,8 +129,6 @@ class SpalmXL(TokenLevelModule):
             lm.load_state_dict(base.state_dict())
         self.model = Spalm(lm, long_term=k > 0, gate_bias=gate_bias, memory_scale=memory_scale)
         self.memory_length = memory_length
-        self._memory: dict[str, Optional[list[torch.Tensor]]] = {}
-        self.gate_means: dict[str, np.ndarray] = {}   # per split, of the last predict run
         self.k_curve_result: Optional[dict] = None
 
     # -- the loss -------------------------------------------------------------------------------
@@ -111,94 +146,42 @@ class SpalmXL(TokenLevelModule):
     def forward(self, batch: dict, stage: str = "predict",
                 force_gate: Optional[float] = None) -> SpalmOutput:
         """The batch's segment, reading (and then replacing) the memory of ``stage``."""
-        memory = self._memory.get(stage) if self.memory_length else None
-        if memory is not None and memory[0].shape[0] != batch["input"].shape[0]:
-            memory = None  # a smaller final batch: its streams are not the previous ones
+        memory = self.memory_for(stage, batch["input"].shape[0])
         out = self.model(batch["input"], self._values(batch, self.hparams.k), memory,
                          force_gate)
-        if self.memory_length:
-            self._memory[stage] = out.memory
+        self.keep_memory(stage, out.memory)
         return out
 
-    def token_nll(self, batch: dict, stage: str):
+    def gated_nll(self, batch: dict, stage: str):
         out = self(batch, stage)
         nll = target_nll(out.logits.flatten(0, 1), batch["target"].flatten())
         mask = batch["mask"].flatten().float()
         positions = batch["positions"].flatten()
+        gate = None if out.gate is None else out.gate.flatten(0, 1)
         if stage == "predict":
-            self._record(batch, out, nll, mask, positions)
-        elif out.gate is not None:
-            gate = (out.gate.mean(-1).flatten() * mask).sum() / mask.sum().clamp(min=1)
-            self.log(f"{stage}/gate", gate.float(), batch_size=int(mask.sum()))
+            self._record_k_curve(batch, out, nll, mask, positions)
+        elif gate is not None:
+            mean = (gate.mean(-1) * mask).sum() / mask.sum().clamp(min=1)
+            self.log(f"{stage}/gate", mean.float(), batch_size=int(mask.sum()))
             if self.model.memory_scale is not None and stage == "train":
                 self.log("train/memory_scale", self.model.memory_scale.detach().float().mean())
-        return nll, mask, positions
+        return nll, mask, positions, gate
 
-    def setup(self, stage: str) -> None:
-        """Refuse, before any work, a k the data cannot serve."""
-        super().setup(stage)
-        data = self.trainer.datamodule if self.trainer is not None else None
+    def lr_groups(self) -> list[tuple[list[torch.nn.Parameter], float]]:
+        """The gate and memory scale at ``gate_lr``."""
         hp = self.hparams
-        needed = max([hp.k, *(hp.k_curve or [])])
-        carried = getattr(getattr(data, "hparams", None), "retrieved", None)
-        if self.model.gate is None or carried is None:
-            return
-        if hp.k_curve and hasattr(data, "stored_k"):
-            check_k_curve(hp.k_curve, data.stored_k)
-        if carried < needed:
-            raise ValueError(f"The model reads up to k = {needed} retrieved values per position "
-                             f"(k {hp.k}, k_curve {hp.k_curve}) but the data "
-                             f"carries data.retrieved = {carried}: raise it.")
+        return [(self.model.memory_parameters(), hp.gate_lr or hp.lr)]
 
-    def configure_optimizers(self):
-        """AdamW + warmup/cosine (``gnnlm.lit.optim``), the gate and memory scale at
-        ``gate_lr``."""
-        hp = self.hparams
-        gate = set(self.model.memory_parameters())
-        groups = []
-        for lr, params in ((hp.lr, [p for p in self.parameters() if p not in gate]),
-                           (hp.gate_lr or hp.lr, [p for p in self.parameters() if p in gate])):
-            groups += [{"params": [p for p in params if p.dim() >= 2], "lr": lr,
-                        "weight_decay": hp.weight_decay},
-                       {"params": [p for p in params if p.dim() < 2], "lr": lr,
-                        "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr,
-                                      betas=tuple(hp.betas))
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule,
-                                                         "interval": "step"}}
-
-    # -- memory: carried within a stage, reset when a pass over a split starts -------------------
-    def on_train_epoch_start(self) -> None:
-        self._memory["train"] = None
-
-    def on_validation_epoch_start(self) -> None:
-        self._memory["val"] = None
-
-    def on_test_epoch_start(self) -> None:
-        self._memory["test"] = None
-
-    # -- predict: gate values and the k curve ----------------------------------------------------
-    def _predict_split(self) -> str:
-        data = self.trainer.datamodule if self.trainer is not None else None
-        return getattr(getattr(data, "hparams", None), "predict_split", "test")
-
+    # -- predict: the k curve on valid ----------------------------------------------------------
     def on_predict_epoch_start(self) -> None:
-        self._memory["predict"] = None
-        self._gate_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        super().on_predict_epoch_start()
         self._curve = {k: [0.0, 0] for k in (self.hparams.k_curve or [])}
 
     @torch.no_grad()
-    def _record(self, batch: dict, out: SpalmOutput, nll, mask, positions) -> None:
-        if out.gate is None:
+    def _record_k_curve(self, batch: dict, out: SpalmOutput, nll, mask, positions) -> None:
+        if out.gate is None or not self._curve or self.predict_split != "valid":
             return
         keep = mask.bool()
-        gate = out.gate.flatten(0, 1)
-        self._gate_parts.append((positions[keep].cpu(), gate[keep].float().mean(-1).cpu()))
-        if not self._curve or self._predict_split() != "valid":
-            return
         limit = self.hparams.k_curve_tokens
         if limit is not None:
             keep = keep & (positions < limit)
@@ -218,27 +201,12 @@ class SpalmXL(TokenLevelModule):
             acc[1] += int(keep.sum())
 
     def on_predict_epoch_end(self) -> None:
-        split = self._predict_split()
-        if self._gate_parts:
-            positions = torch.cat([p for p, _ in self._gate_parts]).numpy()
-            values = torch.cat([g for _, g in self._gate_parts]).numpy()
-            data = self.trainer.datamodule
-            n = data.n_positions(split) if hasattr(data, "n_positions") else positions.max() + 1
-            means = np.full(int(n), np.nan, dtype=np.float32)
-            means[positions] = values
-            self.gate_means[split] = means
-        if self._curve and split == "valid":
+        if self._curve and self.predict_split == "valid":
             ks = sorted(self._curve)
             self.k_curve_result = {
                 "split": "valid", "trained_k": self.hparams.k, "k": ks,
                 "tokens": self._curve[ks[0]][1],
                 "ppl": [float(np.exp(s / max(c, 1))) for s, c in (self._curve[k] for k in ks)]}
-        self._gate_parts = []
-
-    def predict_arrays(self) -> dict[str, np.ndarray]:
-        """Per-token arrays saved beside the scores: ``<split>_gate``, the gate's mean over its
-        d dimensions for every position of the split."""
-        return {f"{split}_gate": means for split, means in self.gate_means.items()}
 
     def deviations(self) -> list[str]:
         """The options on that the paper's SPALM does not have (none for the baselines, which
@@ -255,9 +223,6 @@ class SpalmXL(TokenLevelModule):
         extras: dict = {"spalm": {"k": hp.k, "memory_length": hp.memory_length,
                                   "init": hp.init, "gate_bias": hp.gate_bias,
                                   "memory_scale": hp.memory_scale}}
-        if self.gate_means:
-            extras["spalm"]["gate_mean"] = {split: float(np.nanmean(means))
-                                            for split, means in self.gate_means.items()}
         if self.k_curve_result is not None:
             extras["k_curve"] = self.k_curve_result
         return extras

@@ -1,11 +1,28 @@
-"""Base LMs: the built-in GPT and a Hugging Face adapter, behind one interface."""
+"""Base LMs: the built-in GPT and a Hugging Face adapter, behind one interface.
+
+The package imports no torch by itself: ``gnnlm.models.settings`` (what a config checks) stays
+light, and ``BaseLM``/``Features`` are read from ``gnnlm.models.base`` when first asked for.
+"""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from gnnlm.models.base import FEATURE_KEYS, BaseLM, Features
+# TokenizerConfig, which a base LM checkpoint's data module saves, registered for its loader
+import gnnlm.text.settings  # noqa: F401
+from gnnlm.models.settings import FEATURE_KEYS, is_hf
+
+if TYPE_CHECKING:
+    from gnnlm.models.base import BaseLM, Features
+
+
+def __getattr__(name: str) -> Any:
+    """``BaseLM`` and ``Features`` of ``gnnlm.models.base``, imported (with torch) when asked."""
+    if name in ("BaseLM", "Features"):
+        import importlib
+
+        return getattr(importlib.import_module("gnnlm.models.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_gpt_checkpoint(path: str) -> BaseLM:
@@ -50,11 +67,6 @@ def load_base_lm(spec: str, options: Optional[dict] = None) -> BaseLM:
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
-
-
-def is_hf(spec: str) -> bool:
-    """Whether ``spec`` names a Hugging Face model (``hf:`` or a folder with config.json)."""
-    return spec.startswith("hf:") or (Path(spec) / "config.json").is_file()
 
 
 def hf_options(identity: dict) -> dict:

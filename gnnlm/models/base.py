@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-FEATURE_KEYS = ("final", "att")
+from gnnlm.models.settings import FEATURE_KEYS  # noqa: F401  (importable from here too)
 
 
 def float32(h: Tensor) -> torch.autocast:

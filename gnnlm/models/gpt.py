@@ -100,6 +100,9 @@ class Block(nn.Module):
 
 
 class GPT(BaseLM):
+    # the vocabulary a checkpoint was trained on, set by ``gnnlm.models.load_gpt_checkpoint``
+    vocab_fingerprint: Optional[str]
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -131,7 +134,7 @@ class GPT(BaseLM):
             raise ValueError(f"memory must hold one tensor per layer (got {len(memory)} for "
                              f"{len(self.blocks)} layers).")
         x = self.drop(self.wte(input_ids))                                # [B, T, d]
-        new_memory = [] if self.memory_length > 0 else None
+        new_memory: Optional[list[Tensor]] = [] if self.memory_length > 0 else None
         ffn_input = x
         for layer, block in enumerate(self.blocks):
             mem = None if memory is None else memory[layer]

@@ -26,7 +26,16 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gnnlm.models.base import FEATURE_KEYS, BaseLM, Features, softcap
+from gnnlm.models.base import BaseLM, Features, softcap
+
+# the settings a config checks without torch; importable from here too
+from gnnlm.models.settings import (  # noqa: F401
+    DEFAULT_CONTEXT,
+    DTYPE_NAMES,
+    FEATURE_KEYS,
+    check_key_path,
+    check_keys,
+)
 
 _LLAMA_STYLE = {"att": "model.layers.-1.mlp:input", "final": "model.norm:output"}
 KEY_PATHS: dict[str, dict[str, str]] = {
@@ -41,24 +50,7 @@ KEY_PATHS: dict[str, dict[str, str]] = {
         "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
         "phi3", "olmo", "olmo2", "granite", "stablelm", "cohere")},
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CONTEXT = 1024  # a model's own context can be 128k: the features' window is a setting
-
-
-def check_key_path(path: str, field: str) -> None:
-    module, _, side = path.rpartition(":")
-    if not module or side not in ("input", "output"):
-        raise ValueError(f"{field} must be '<module path>:input' or '<module path>:output' "
-                         f"(e.g. model.layers.-1.mlp:input), got {path!r}.")
-
-
-def check_keys(keys: dict[str, str]) -> None:
-    """``base_lm.keys`` names only the feature keys, each as ``<module path>:input|output``."""
-    unknown = sorted(set(keys) - set(FEATURE_KEYS))
-    if unknown:
-        raise ValueError(f"base_lm.keys names {unknown}: the keys are {list(FEATURE_KEYS)}.")
-    for key, path in keys.items():
-        check_key_path(path, f"base_lm.keys.{key}")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def find_module(model: nn.Module, path: str, field: str) -> nn.Module:

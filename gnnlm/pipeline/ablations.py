@@ -25,13 +25,15 @@ rows (SPALM's short-term memory) evaluate a memory LM with and without its memor
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 
+from gnnlm.pipeline.config import AblationConfig
+from gnnlm.pipeline.rows import BASE
+from gnnlm.pipeline.rows import label as report_label
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.knn import fit_and_score
 from gnnlm.retrieval.knn_cache import (
@@ -42,7 +44,7 @@ from gnnlm.retrieval.knn_cache import (
 )
 from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
 from gnnlm.retrieval.search import Searcher, exact_search, rescore
-from gnnlm.utils.devices import check_device, faiss_has_gpu
+from gnnlm.utils.devices import faiss_has_gpu
 from gnnlm.utils.metrics import ppl_from_logprobs
 from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
@@ -50,28 +52,6 @@ from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
 # The rows' meaning: 2 labels rows by what was searched and adds the index-scores row. It belongs
 # in the ablation artifact's fingerprint config, so a table of another version is rebuilt.
 ABLATIONS_VERSION = 2
-
-
-@dataclass
-class AblationConfig:
-    """``enabled`` turns the ablation table on; ``memory_lm`` (``gnnlm fit`` YAMLs of a
-    Transformer-XL base LM) adds the memory on/off rows."""
-    enabled: bool = False
-    eval_tokens: Optional[int] = 5000
-    metrics: list[str] = field(default_factory=lambda: ["cos", "ip", "l2"])
-    subsample: list[float] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5, 1.0])
-    # ip and l2 scores are not bounded like cos: their T grid must reach larger values
-    unbounded_temperatures: list[float] = field(
-        default_factory=lambda: [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0])
-    seed: int = 0
-    device: str = "auto"
-    memory_lm: Union[str, list[str], None] = None
-
-    def __post_init__(self):
-        check_device(self.device)
-        if any(not 0 < f <= 1 for f in self.subsample):
-            raise ValueError(f"ablations.subsample fractions must lie in (0, 1] "
-                             f"(got {self.subsample}).")
 
 
 def _prefix(n: int, eval_tokens: Optional[int]) -> int:
@@ -206,7 +186,8 @@ def run_ablations(stage: AblationConfig, workdir: Workdir, keys: list[str], metr
                 for s, (_, arrays) in cached[key].items()}
 
     rows: list[dict[str, Any]] = [
-        {"row": "base LM", "test_ppl": ppl_from_logprobs(ev.splits["test"]["lm_logprob"]),
+        {"row": report_label(BASE),  # the report's base row, on the same prefix
+         "test_ppl": ppl_from_logprobs(ev.splits["test"]["lm_logprob"]),
          "valid_ppl": ppl_from_logprobs(ev.splits["valid"]["lm_logprob"])}]
     skipped: list[dict] = []
 

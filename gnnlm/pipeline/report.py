@@ -6,49 +6,30 @@ row records how its tokens were scored (``gnnlm.models.protocols``): rows read w
 windows or segments go in separate tables, each headed by its protocol and the left context it
 gives. Above them, the data's checks (``gnnlm.pipeline.data_checks``: unknown tokens, near-copies of
 valid/test in the datastore) and, when something makes the numbers untrustworthy, one Warnings
-block.
+block. Below them, the papers' analyses: kNN recall buckets (Meng et al. 2022), GNN-LM's
+evaluation k, and for every SPALM row the mean gate per token, its k curve and frequency
+buckets (Yogatama et al. 2021; ``gnnlm.spalm.analysis``).
+
+Rows are named, labelled and ordered by ``gnnlm.pipeline.rows``; everything is read from the
+pipeline's ``gnnlm.pipeline.results.Results``, which holds the manifests its stages read.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
-from gnnlm.pipeline import data_checks
+from gnnlm.pipeline import data_checks, rows
+from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.retrieval.tuning import measured_recall
 from gnnlm.spalm.analysis import markdown as spalm_markdown
 from gnnlm.spalm.analysis import results_section as spalm_section
 from gnnlm.utils.metrics import ppl_from_logprobs
-from gnnlm.workdir.artifacts import open_array, read_manifest, write_json_atomic
-from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
-
-ROW_NAMES = {"base": "base LM", "knn": "+kNN", "gnn": "+GNN", "gnn+knn": "+GNN+kNN",
-             "spalm": "SPALM: gate on frozen LM", "spalm_ft": "SPALM: gate + last block",
-             "transformer": "transformer (no memory)",
-             "transformer_xl": "Transformer-XL (short-term memory)",
-             "spalm_xl": "SPALM (short + long-term memory)",
-             # its options are named after it, from the head's manifest
-             "spalm_xl_variant": "SPALM (short + long-term memory)"}
-
-
-def row_name(name: str, deviations: Optional[list[str]] = None) -> str:
-    """How a results.json ``ppl`` key reads in a table; ``deviations`` (the options on that
-    depart from the model's paper) are named after it: "SPALM (…) (+memory scale)"."""
-    if deviations:
-        return f"{row_name(name)} ({', '.join('+' + d for d in deviations)})"
-    if name in ROW_NAMES:
-        return ROW_NAMES[name]
-    if name.startswith("knn["):
-        return f"+kNN, {name[4:-1]} keys"
-    if name.startswith("learned_wds"):
-        head, _, interpolated = name.partition("+")
-        n = head[len("learned_wds"):].strip("[]").replace("n=", "n = ") or None
-        label = "learned W_ds" + (f" ({n})" if n else "")
-        return f"base LM + {label}" if interpolated else f"{label} alone"
-    return name
+from gnnlm.workdir.artifacts import write_json_atomic
+from gnnlm.workdir.layout import Workdir
 
 
 def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
@@ -66,43 +47,40 @@ def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
     # each cut moves up to the first index whose recall differs from the one before it
     moved = np.searchsorted(sorted_hits, sorted_hits[equal_count - 1], side="right")
     cuts = np.unique(np.concatenate([[0], moved[moved < n], [n]]))
-    rows = []
+    buckets = []
     for start, stop in zip(cuts[:-1], cuts[1:]):
         part = order[start:stop]
         b, m = float(base[part].mean()), float(model[part].mean())
-        rows.append({"recall_range": [int(sorted_hits[start]), int(sorted_hits[stop - 1])],
-                     "tokens": int(len(part)), "base_logprob": b, "model_logprob": m,
-                     "absolute_improvement": m - b,
-                     "relative_improvement": (m - b) / abs(b) if b else 0.0})
-    return rows
+        buckets.append({"recall_range": [int(sorted_hits[start]), int(sorted_hits[stop - 1])],
+                        "tokens": int(len(part)), "base_logprob": b, "model_logprob": m,
+                        "absolute_improvement": m - b,
+                        "relative_improvement": (m - b) / abs(b) if b else 0.0})
+    return buckets
 
 
-def _stage_seconds(cfg, workdir: Workdir, retrieval: dict, heads: dict, base_manifest: dict,
-                   feature_manifests: dict) -> dict:
+def _stage_seconds(results: Results) -> dict:
     """Build time of each stage as recorded in its artifacts (stable across reruns)."""
-    timing = {"base_lm": base_manifest.get("train_seconds", 0.0),
-              "features": sum(m.get("seconds", 0.0) for m in feature_manifests.values())}
-    for key, r in retrieval.items():
-        timing[f"index[{key}]"] = r["index"].get("train_seconds", 0) + r["index"].get(
+    timing = {"base_lm": results.base_lm_manifest.get("train_seconds", 0.0),
+              "features": sum(m.get("seconds", 0.0) for m in results.features.values())}
+    for key, r in results.retrieval.items():
+        timing[f"index[{key}]"] = r.index.get("train_seconds", 0) + r.index.get(
             "add_seconds", 0)
         timing[f"neighbors[{key}]"] = sum(m.get("search_seconds", 0)
-                                          for m in r["neighbors"].values())
-        timing[f"knn_cache[{key}]"] = sum(
-            read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, s)).get(
-                "seconds", 0) for s in EVAL_SPLITS)
-    if "gnn" in heads and (workdir.pq(cfg.knn.primary) / "manifest.json").is_file():
-        timing["pq"] = read_manifest(workdir.pq(cfg.knn.primary)).get("seconds", 0)
-    for name, manifest in heads.items():
+                                          for m in r.neighbors.values())
+        timing[f"knn_cache[{key}]"] = sum(m.get("seconds", 0) for m in r.knn_caches.values())
+    if rows.GNN in results.heads and results.pq is not None:
+        timing["pq"] = results.pq.get("seconds", 0)
+    for name, manifest in results.heads.items():
         timing[name] = manifest.get("train_seconds", 0.0)
     return {k: round(float(v), 2) for k, v in timing.items()}
 
 
-def _retrieval_facts(r: dict) -> dict:
+def _retrieval_facts(r: KeyRetrieval) -> dict:
     """What results.json says of one key's retrieval: how the test neighbours were searched
     (exact search, or the index at their nprobe/re-ranking), the recall the index stage measured
     for exactly that setting against exact search (None: not measured), the neighbour stage's
     speed, the leakage masking."""
-    index, test = r["index"], r["neighbors"]["test"]
+    index, test = r.index, r.neighbors["test"]
     backend = test.get("backend", "index")
     facts = {"backend": backend, "factory": test.get("factory", index["factory"]),
              "index_factory": index["factory"], "nprobe": test.get("nprobe"),
@@ -112,7 +90,7 @@ def _retrieval_facts(r: dict) -> dict:
                                         test["K"])),
              "target_recall": index.get("target_recall"),
              "queries_per_s": test.get("queries_per_s"), "search_settings": index.get("tuning")}
-    train = r["neighbors"].get("train")
+    train = r.neighbors.get("train")
     if train is not None:
         facts.update({"masked_fraction": train.get("masked_fraction"),
                       "leakage_window": train["leakage_window"]})
@@ -171,11 +149,11 @@ def row_protocols(names: list[str], heads: dict, features: Protocol) -> dict[str
                     "reason": "trained before protocols were recorded: rebuild this row"}
         return features
 
-    rows = {}
+    protocol_of = {}
     for name in names:
-        head = name.split("+")[0] if name not in heads else name
-        rows[name] = of_head(heads[head]) if head in heads else features
-    return rows
+        head = name if name in heads else rows.head_of(name)
+        protocol_of[name] = of_head(heads[head]) if head in heads else features
+    return protocol_of
 
 
 def protocol_tables(results: dict) -> list[tuple[Protocol, list[str]]]:
@@ -188,7 +166,7 @@ def protocol_tables(results: dict) -> list[tuple[Protocol, list[str]]]:
 
 
 def _label(results: dict, name: str) -> str:
-    return row_name(name, results.get("deviations", {}).get(name))
+    return rows.label(name, results.get("deviations", {}).get(name))
 
 
 def _table_markdown(results: dict, protocol: Protocol, names: list[str]) -> list[str]:
@@ -256,12 +234,11 @@ def _markdown(results: dict) -> str:
         lines.append(f"- {_label(results, name)}: " + ", ".join(f"{k}={v}" for k, v in
                                                                           shown.items()))
     if results.get("knn_recall_buckets"):
-        rows = results["knn_recall_buckets"]
         lines += ["", f"kNN recall buckets (GNN-LM Table 4; mean log p, "
                       f"{results['knn_recall_buckets_model']} vs base):", "",
                   "| recall range | tokens | base | model | abs. | rel. |",
                   "|---|---:|---:|---:|---:|---:|"]
-        for r in rows:
+        for r in results["knn_recall_buckets"]:
             lines.append(f"| [{r['recall_range'][0]}, {r['recall_range'][1]}] | {r['tokens']} | "
                          f"{r['base_logprob']:.2f} | {r['model_logprob']:.2f} | "
                          f"{r['absolute_improvement']:.2f} | {r['relative_improvement']:.0%} |")
@@ -272,7 +249,8 @@ def _markdown(results: dict) -> str:
                   "| k | valid ppl | seconds |", "|---:|---:|---:|"]
         lines += [f"| {k} | {curve['valid_ppl'][k]:.2f} | {curve['seconds'][k]} |"
                   for k in sorted(curve["valid_ppl"], key=int)]  # JSON gives keys as text
-    lines += spalm_markdown(results.get("spalm_xl_analysis"), row_name("spalm_xl"))
+    for name in rows.SPALM_BASELINES:  # SPALM §5: gates (valid, test), k curve, frequencies
+        lines += spalm_markdown(results.get(f"{name}_analysis"), _label(results, name))
     lines += _ablation_markdown(results.get("ablations"))
     lines += ["", "Retrieval:", ""]
     lines += [_retrieval_line(key, info) for key, info in results["retrieval"].items()]
@@ -318,104 +296,102 @@ def _ablation_markdown(ablations: Optional[dict]) -> list[str]:
     return lines
 
 
-def plot_gate_histogram(histogram: list[int], path: Path, title: str = "") -> None:
-    """SPALM Figure 5: the distribution of the gate's values over the test tokens (the gate is
-    a vector: every dimension of every token is counted)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    edges = np.linspace(0, 1, len(histogram) + 1)
-    fig = Figure(figsize=(5, 3.2))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.bar(edges[:-1], histogram, width=edges[1] - edges[0], align="edge")
-    ax.set_xlabel("gate value (1 = local context, 0 = retrieved memory)")
-    ax.set_ylabel("gate values (tokens x dimensions)")
-    ax.set_title(title or "SPALM gate values on test")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def rows_on_the_base_lm(names: list[str], heads: dict, row_protocol: dict) -> list[str]:
     """The rows that stand for a trained head on the base LM's features, read the base LM's way,
     and so should beat it on valid: the head's own row, or ``<head>+base`` where the report
     interpolates the head with the base LM (a learned W_ds is a datastore, not a whole LM).
     Segment models are separate LMs, not heads, and are not compared with the base LM."""
     base = protocols.layout(row_protocol["base"])
-    return [f"{name}+base" if f"{name}+base" in names else name for name in names
+    return [rows.with_base(name) if rows.with_base(name) in names else name for name in names
             if name in heads and protocols.layout(row_protocol[name]) == base]
 
 
-def write_report(cfg, workdir: Workdir, model, store, scores: dict, hparams: dict,
-                 retrieval: dict, heads: dict, base_manifest: dict, feature_manifests: dict,
-                 ablations: Optional[dict] = None) -> dict:
-    out = workdir.report(cfg.name)
+def write_report(workdir: Workdir, results: Results) -> dict:
+    """``reports/<name>/``: results.json and results.md (the tables by protocol, the data's
+    checks and warnings, the analyses, retrieval and build times), the per-token test scores
+    and the plots. Returns results.json's dict."""
+    out = workdir.report(results.name)
     out.mkdir(parents=True, exist_ok=True)
-    test_n = feature_manifests["test"]["n"]
-    for name, per_split in scores.items():
+    test_n = results.test_tokens
+    for name, per_split in results.scores.items():
         if len(per_split["test"]) != test_n:
             raise RuntimeError(f"{name} scored {len(per_split['test'])} test tokens, not {test_n}.")
-    order = ["base", "knn", *sorted(n for n in scores if n.startswith("knn[")), "gnn", "gnn+knn",
-             "spalm", "spalm_ft", "transformer", "transformer_xl", "spalm_xl",
-             "spalm_xl_variant"]
-    names = [n for n in order if n in scores] + sorted(n for n in scores if n not in order)
-    ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
+    report = _tables(results)
+    report["timing_s"] = _stage_seconds(results)
+    report.update(results.data_checks)
+    report["warnings"] = _warnings(report, results.heads)
+    if results.level == "char":
+        report["bpc"] = {name: float(np.log2(p)) for name, p in report["ppl"].items()}
+    report.update(_analyses(workdir, results, out))
+    if results.ablations:
+        report["ablations"] = results.ablations
+        for png in workdir.ablations.glob("*.png"):
+            (out / png.name).write_bytes(png.read_bytes())
+    test_scores: dict[str, Any] = {k: v["test"] for k, v in results.scores.items()}
+    np.savez_compressed(out / "test_logprobs.npz", **test_scores)
+    write_json_atomic(out / "results.json", report)
+    (out / "results.md").write_text(_markdown(report))
+    return report
+
+
+def _tables(results: Results) -> dict:
+    """What the tables show: every row's test and valid perplexity, how it was scored (its
+    protocol and mean left context), its deviations from its paper, the fitted
+    hyper-parameters, the base LM and the retrieval behind the kNN rows."""
+    scores, heads, test_n = results.scores, results.heads, results.test_tokens
+    names = rows.order(scores)
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
-    valid_ppl.update({name: hp["valid_ppl"] for name, hp in hparams.items() if "valid_ppl" in hp})
-    features_protocol = protocols.of_features(feature_manifests["test"])
-    row_protocol = row_protocols(names, heads, features_protocol)
-    results = {
-        "name": cfg.name, "dataset": store.manifest["config"]["corpus"], "split": "test",
-        "tokens": int(test_n), "protocol": feature_manifests["test"]["protocol"],
+    valid_ppl.update({name: hp["valid_ppl"] for name, hp in results.hparams.items()
+                      if "valid_ppl" in hp})
+    row_protocol = row_protocols(names, heads, protocols.of_features(results.features["test"]))
+    return {
+        "name": results.name, "dataset": results.dataset, "split": "test",
+        "tokens": test_n, "protocol": results.features["test"]["protocol"],
         "protocols": row_protocol,
         "mean_left_context": {name: float(protocols.left_context(p, test_n).mean())
                               for name, p in row_protocol.items() if p["kind"] != "unrecorded"},
         "deviations": {name: heads[name]["deviations"] for name in names
                        if name in heads and heads[name].get("deviations")},
-        "level": store.level, "ppl": ppl, "valid_ppl": valid_ppl, "hparams": hparams,
-        "base_lm": model.identity(),
-        "retrieval": {key: _retrieval_facts(r) for key, r in retrieval.items()},
-        "timing_s": _stage_seconds(cfg, workdir, retrieval, heads, base_manifest,
-                                   feature_manifests),
+        "level": results.level,
+        "ppl": {name: ppl_from_logprobs(scores[name]["test"]) for name in names},
+        "valid_ppl": valid_ppl, "hparams": results.hparams, "base_lm": results.base_lm,
+        "retrieval": {key: _retrieval_facts(r) for key, r in results.retrieval.items()},
     }
-    checks = data_checks.measure(workdir, cfg.knn.primary, cfg.knn.metric, store)
-    results.update(checks)
-    worse = data_checks.heads_worse_than_base(valid_ppl,
-                                              rows_on_the_base_lm(names, heads, row_protocol))
-    results["warnings"] = data_checks.report_warnings(
-        checks["unk_share"], checks["datastore_overlap"], worse,
-        label=lambda name: _label(results, name), unk_token=checks["unk_token"],
-        context=checks["near_copy"]["context"])
-    if store.level == "char":
-        results["bpc"] = {name: float(np.log2(p)) for name, p in ppl.items()}
-    best = "gnn+knn" if "gnn+knn" in scores else "knn"
-    hits = open_array(workdir.knn_cache(cfg.knn.primary, cfg.knn.metric, cfg.knn.scores, "test"),
-                      "hits")
-    results["knn_recall_buckets"] = recall_buckets(np.asarray(hits).sum(1), scores["base"]["test"],
-                                                   scores[best]["test"])
-    results["knn_recall_buckets_model"] = best
-    for head in ("spalm", "spalm_ft"):
-        if head in heads and "gate" in heads[head]:
-            results[f"{head}_gate"] = heads[head]["gate"]
-            plot_gate_histogram(heads[head]["gate"]["histogram"], out / f"{head}_gate_hist.png",
-                                f"{row_name(head)}: gate values on test")
-    if "gnn" in heads and "eval_k" in heads["gnn"]:  # valid ppl by the windows read per token
-        results["gnn_eval_k"] = heads["gnn"]["eval_k"]
-    if "gnn" in heads:  # the leakage rule's share of train-graph windows and nodes
-        results["gnn_leakage"] = {name.split("/")[1]: value
-                                  for name, value in heads["gnn"].get("metrics", {}).items()
-                                  if name.startswith("leakage/")}
-    if "spalm_xl" in heads:  # SPALM §5: gates (valid, test), k curve, frequency buckets
-        results["spalm_xl_analysis"] = spalm_section(workdir, heads["spalm_xl"], scores,
-                                                     plot=out / "spalm_xl_gate_hist.png")
-    if ablations:
-        results["ablations"] = ablations
-        for png in workdir.ablations.glob("*.png"):
-            (out / png.name).write_bytes(png.read_bytes())
-    np.savez_compressed(out / "test_logprobs.npz", **{k: v["test"] for k, v in scores.items()})
-    write_json_atomic(out / "results.json", results)
-    (out / "results.md").write_text(_markdown(results))
-    return results
+
+
+def _warnings(report: dict, heads: dict) -> list[dict]:
+    """The Warnings block: the data's checks, and heads worse than the base LM on valid."""
+    worse = data_checks.heads_worse_than_base(
+        report["valid_ppl"], rows_on_the_base_lm(list(report["ppl"]), heads, report["protocols"]))
+    return data_checks.report_warnings(
+        report["unk_share"], report["datastore_overlap"], worse,
+        label=lambda name: _label(report, name), unk_token=report["unk_token"],
+        context=report["near_copy"]["context"])
+
+
+def _analyses(workdir: Workdir, results: Results, out: Path) -> dict:
+    """The papers' analyses: kNN recall buckets (Meng et al. 2022 Table 4), GNN-LM's valid
+    perplexity by evaluation k and its leakage rule's shares, and for every SPALM row its gate
+    histograms, k curve and frequency buckets (Yogatama et al. 2021 §5, plotted into ``out``)."""
+    scores, heads = results.scores, results.heads
+    best = rows.GNN_KNN if rows.GNN_KNN in scores else rows.KNN
+    analyses: dict = {}
+    if results.knn_recall is not None:
+        analyses["knn_recall_buckets"] = recall_buckets(
+            results.knn_recall, scores[rows.BASE]["test"], scores[best]["test"])
+        analyses["knn_recall_buckets_model"] = best
+    gnn = heads.get(rows.GNN)
+    if gnn is not None and "eval_k" in gnn:  # valid ppl by the windows read per token
+        analyses["gnn_eval_k"] = gnn["eval_k"]
+    if gnn is not None:  # the leakage rule's share of train-graph windows and nodes
+        analyses["gnn_leakage"] = {name.split("/")[1]: value
+                                   for name, value in gnn.get("metrics", {}).items()
+                                   if name.startswith("leakage/")}
+    for name, baseline in rows.SPALM_BASELINES.items():
+        if name in heads:
+            analyses[f"{name}_analysis"] = spalm_section(workdir, heads[name], scores, baseline,
+                                                         plot=out / f"{name}_gate_hist.png")
+    return analyses
 
 
 def print_table(results: dict, workdir: Workdir) -> None:

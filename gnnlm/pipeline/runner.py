@@ -1,9 +1,10 @@
 """Trained parts of the pipeline (the base LM and the heads), run through LightningCLI.
 
 Each becomes an artifact ``workdir.model(name)`` holding ``model.ckpt`` and, for heads, the
-per-token log-probabilities of the valid and test targets, so that every row of the report
-scores exactly the same tokens. This is the one module of the library that imports the Lightning
-glue (``gnnlm.lit``, ``datamodules``).
+per-token log-probabilities of the valid and test targets (``<split>_logprob``), so that every
+row of the report scores exactly the same tokens, and any other per-token value the model's
+predict gives (SPALM: ``<split>_gate``, the gate's mean over its d dimensions). This is the one
+module of the library that imports the Lightning glue (``gnnlm.lit``, ``datamodules``).
 """
 from __future__ import annotations
 
@@ -136,21 +137,26 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
             extra["valid_before_training"] = {start["metric"]: start["score"]}
             extra["kept_initial_weights"] = kept is not None
         if predict:  # heads: per-token scores on exactly the report's tokens
-            scores = {}
+            scores: dict[str, dict[str, np.ndarray]] = {}
             if (cli.datamodule.hparams.get("eval_ks") or None) is not None:
-                extra["eval_k"], scores["valid"] = choose_eval_k(
+                extra["eval_k"], valid = choose_eval_k(
                     cli.model, cli.datamodule, workdir.n_positions("valid"),
                     cli.trainer.precision)
+                scores["valid"] = {"logprob": valid}
             for split in EVAL_SPLITS:
-                n = workdir.n_positions(split)
                 if split not in scores:
-                    scores[split] = predict_logprobs(cli.model, cli.datamodule, split, n,
-                                                     cli.trainer.precision)
-                builder.array(f"{split}_logprob", np.float32, (n,))[...] = scores[split]
+                    scores[split] = predict_tokens(cli.model, cli.datamodule, split,
+                                                   workdir.n_positions(split),
+                                                   cli.trainer.precision)
+            # log p of every split first, then what else predict gives (SPALM: the mean gate)
+            names = dict.fromkeys(name for split in EVAL_SPLITS for name in scores[split])
+            for name in names:
+                for split in EVAL_SPLITS:
+                    if name in scores[split]:
+                        values = scores[split][name]
+                        builder.array(f"{split}_{name}", np.float32, values.shape)[...] = values
             extra.update(predict_extras(cli.model))
             extra["protocol"] = scoring_protocol(cli.model, cli.datamodule, workdir)
-            for array, values in getattr(cli.model, "predict_arrays", dict)().items():
-                builder.array(array, values.dtype, values.shape)[...] = values  # e.g. gates
         builder.file(INITIAL_WEIGHTS).unlink(missing_ok=True)
         manifest = builder.finish(extra=extra)
     run.clean_up()
@@ -347,29 +353,42 @@ def restore_best_weights(cli) -> None:
         cli.model.load_state_dict(load_checkpoint(best)["state_dict"])
 
 
-def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32-true"
-                     ) -> np.ndarray:
-    """Log p(target) for every position of ``split``, in position order, via ``predict`` (on one
-    device, with the training run's precision)."""
+def predict_tokens(model, datamodule, split: str, n: int, precision: str = "32-true"
+                   ) -> dict[str, np.ndarray]:
+    """What ``predict`` gives for every position of ``split``, in position order, as float32
+    ``[n]`` arrays by name: ``logprob`` (log p(target)) and any other per-token value of the
+    model's predict outputs (SPALM: ``gate``), on one device with the training run's precision.
+
+    The split is set here, once, on both: the data module serves it and the model records
+    what it computes on it (``predict_split``)."""
     import pytorch_lightning as pl
 
-    datamodule.hparams.predict_split = split
+    datamodule.predict_split = model.predict_split = split
     trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, precision=precision)
     outputs = trainer.predict(model, datamodule=datamodule)
     positions = torch.cat([o["positions"] for o in outputs]).numpy()
-    logprob = np.zeros(n, dtype=np.float32)
-    logprob[positions] = torch.cat([o["logprob"] for o in outputs]).numpy()
     scored = np.zeros(n, dtype=bool)
     scored[positions] = True
     if len(positions) != n or not scored.all():
         raise RuntimeError(f"predict on {split} scored {len(positions)} positions, expected each "
                            f"of the {n} exactly once: the evaluation data module must partition "
                            f"the split (no eval_tokens limit for reports).")
-    check_finite(logprob, f"{type(model).__name__}'s predicted {split} log p(target)",
+    arrays = {}
+    for name in (key for key in outputs[0] if key != "positions"):
+        values = np.full(n, np.nan, dtype=np.float32)
+        values[positions] = torch.cat([o[name] for o in outputs]).numpy()
+        arrays[name] = values
+    check_finite(arrays["logprob"], f"{type(model).__name__}'s predicted {split} log p(target)",
                  "the model gives that target probability 0 or NaN (weights with inf/NaN, or an "
                  "overflow at this precision): check its training run, or train in 32-bit.")
-    return logprob
+    return arrays
+
+
+def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32-true"
+                     ) -> np.ndarray:
+    """Log p(target) for every position of ``split``, in position order (``predict_tokens``)."""
+    return predict_tokens(model, datamodule, split, n, precision)["logprob"]
 
 
 def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
@@ -398,21 +417,15 @@ def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
 
 
 def predict_extras(model) -> dict:
-    """Per-model extras saved beside the scores (SPALM: gate values over the test split; a
-    model with ``report_extras()`` says its own) and, under ``deviations``, the options on
-    that depart from the model's paper (``deviations()``), which the report names in the
-    row's label."""
+    """Per-model extras saved in the manifest beside the scores (a model with
+    ``report_extras()`` says its own: SPALM end to end its settings and k curve) and, under
+    ``deviations``, the options on that depart from the model's paper (``deviations()``),
+    which the report names in the row's label."""
     deviations = model.deviations() if callable(getattr(model, "deviations", None)) else []
     extras: dict = {"deviations": deviations} if deviations else {}
     if callable(getattr(model, "report_extras", None)):
         return {**model.report_extras(), **extras}
-    histogram = getattr(model, "gate_histogram", None)
-    if histogram is None:
-        return extras
-    counts = histogram.numpy()
-    centres = (np.arange(len(counts)) + 0.5) / len(counts)
-    return {**extras, "gate": {"histogram": counts.tolist(),
-                               "mean": float((counts * centres).sum() / max(counts.sum(), 1))}}
+    return extras
 
 
 def scoring_protocol(model, datamodule, workdir: Workdir) -> Protocol:
@@ -447,6 +460,7 @@ def memory_rows(workdir: Workdir, name: str) -> list[dict]:
     model = load_language_model(ckpt)
     data = LMDataModule(**{**datamodule_args(ckpt), "workdir": str(workdir.root),
                            "segments": True})
+    model.check_vocabulary(data.vocab_fingerprint, f"the tokens in {workdir.tokens}")
     memory = model.memory_length
     rows = []
     for length in (memory, 0):

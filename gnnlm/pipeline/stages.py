@@ -20,8 +20,10 @@ import numpy as np
 from gnnlm.gnn.pq import build_pq
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
+from gnnlm.pipeline import data_checks, rows
 from gnnlm.pipeline.ablations import ABLATIONS_VERSION, neighbours_label, outdated, run_ablations
 from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, merged_yaml, yaml_list
+from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
 from gnnlm.retrieval.features import build_all_features
 from gnnlm.retrieval.index import build_index
@@ -161,7 +163,7 @@ def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdi
 
 
 def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_window: int
-                    ) -> dict:
+                    ) -> KeyRetrieval:
     """Index, neighbours, and kNN caches of valid/test for one key type. Train queries (masked
     for leakage) are searched for the primary key only: the one the heads' graphs and memories
     read; the other keys serve the kNN-LM comparison."""
@@ -176,17 +178,16 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
                                         leakage_window=leakage_window,
                                         rebuild=cfg.rebuilds("neighbors"))
                  for split in (SPLITS if key == cfg.knn.primary else EVAL_SPLITS)}
-    for split in EVAL_SPLITS:
-        build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
-                        rebuild=cfg.rebuilds("knn_cache"))
-    return {"index": index, "neighbors": neighbors}
+    caches = {split: build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
+                                     rebuild=cfg.rebuilds("knn_cache"))
+              for split in EVAL_SPLITS}
+    return KeyRetrieval(index=index, neighbors=neighbors, knn_caches=caches)
 
 
-def search_label(workdir: Workdir, cfg: PipelineConfig, key: str) -> dict:
+def search_label(workdir: Workdir, retrieval: KeyRetrieval) -> dict:
     """What a kNN-LM row's neighbours and scores are, from its test cache's manifest (an index
     searched with re-ranking gives exact scores whatever ``knn.scores`` says)."""
-    manifest = read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, "test"))
-    facts = search_facts(manifest, workdir)
+    facts = search_facts(retrieval.knn_caches["test"], workdir)
     return {"neighbours": neighbours_label(facts),
             "scores": "exact" if facts["scores_are_exact"] else "approximate (index)"}
 
@@ -207,26 +208,26 @@ def head_inputs(workdir: Workdir) -> dict:
     return inputs
 
 
-def stage_heads(cfg: PipelineConfig, workdir: Workdir) -> dict[str, dict]:
-    """Every configured head, trained once (PQ codes first when GNN-LM reads them)."""
-    heads = {}
+def stage_heads(cfg: PipelineConfig, workdir: Workdir) -> tuple[dict[str, dict], Optional[dict]]:
+    """Every configured head, trained once, by row, and the PQ codes' manifest when GNN-LM
+    reads them (built first)."""
+    heads, pq = {}, None
     for row, configs in cfg.heads().items():
         data = (merged_yaml(configs).get("data") or {}).get("init_args") or {}
-        if row == "gnn" and data.get("node_features", "pq") == "pq":
-            build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
-        artifact = row.replace("[n=", "_n").rstrip("]")
-        heads[row] = fit_with_cli(workdir, artifact, configs, head_inputs(workdir),
+        if row == rows.GNN and data.get("node_features", "pq") == "pq":
+            pq = build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
+        heads[row] = fit_with_cli(workdir, rows.model_folder(row), configs, head_inputs(workdir),
                                   rebuild=cfg.rebuilds(row))
-    return heads
+    return heads, pq
 
 
-def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict) -> Optional[dict]:
+def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict[str, KeyRetrieval]
+                    ) -> Optional[dict]:
     """The Xu et al. table and, with ``ablations.memory_lm``, Transformer-XL memory on/off."""
     stage = cfg.ablations
     if not stage.enabled and not stage.memory_lm:
         return None
-    inputs = {key: read_manifest(workdir.knn_cache(key, cfg.knn.metric, cfg.knn.scores, "test")
-                                 )["fingerprint"] for key in retrieval}
+    inputs = {key: r.knn_caches["test"]["fingerprint"] for key, r in retrieval.items()}
     if stage.memory_lm:
         memory = fit_with_cli(workdir, "base_lm_xl", yaml_list(stage.memory_lm), {},
                               predict=False, rebuild=cfg.rebuilds("base_lm_xl"))
@@ -250,67 +251,80 @@ def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict) -> O
     return result
 
 
-def fit_chains(cfg: PipelineConfig) -> list[list[str]]:
-    """The ``gnnlm fit`` configs of every trained part the pipeline will run."""
-    chains = [yaml_list(cfg.base_lm.config) if cfg.base_lm.ckpt is None else [],
-              yaml_list(cfg.ablations.memory_lm), *cfg.heads().values()]
-    return [chain for chain in chains if chain]
-
-
 def run(cfg: PipelineConfig) -> dict:
     """Run every stage; return the results dict also written to ``reports/<name>/``."""
     from gnnlm.pipeline.report import write_report
 
     workdir = Workdir(cfg.workdir)
-    for chain in fit_chains(cfg):  # every trained part's config parses, before any work
+    for chain in cfg.fit_chains():  # every trained part's config parses, before any work
         check_fit_config(chain)
     workdir.root.mkdir(parents=True, exist_ok=True)
     _lock = lock_workdir(workdir.root, "pipeline")  # one run per work directory, until we return
     model, store, base_manifest, location = stage_base_lm(cfg, workdir)
-    feature_manifests = stage_features(cfg, model, store, workdir, location)
-    # a train feature has read this many tokens back: the leakage rule's window
-    leakage_window = (cfg.neighbors.leakage_window if cfg.neighbors.leakage_window is not None
-                      else feature_manifests["train"]["config"]["context"])  # 0: no masking
-    scores: dict[str, dict[str, np.ndarray]] = {
-        "base": {s: np.asarray(open_array(workdir.features(s), "lm_logprob"))
-                 for s in EVAL_SPLITS}}
-    for s in EVAL_SPLITS:  # a perplexity over these is never inf or nan
-        check_finite(scores["base"][s], f"{workdir.features(s) / 'lm_logprob.bin'}",
-                     changed_hint(workdir.features(s), "features"))
-    hparams: dict[str, dict] = {}
-    retrieval = {}
-    grid = cfg.knn.grid()
-    for key in cfg.knn.keys:
-        retrieval[key] = stage_retrieval(cfg, workdir, key, leakage_window)
-        caches = knn_caches(cfg, workdir, key)
-        result = fit_and_score(caches["valid"], caches["test"], *grid)
-        name = "knn" if key == cfg.knn.primary else f"knn[{key}]"
-        scores[name] = {"test": result.pop("test_logprob")}
-        hparams[name] = {**result, "similarity": cfg.knn.metric, "key": key,
-                         **search_label(workdir, cfg, key)}
-    heads = stage_heads(cfg, workdir)
-    for name, manifest in heads.items():
-        scores[name] = {s: head_logprobs(workdir, manifest["config"]["name"], s)
-                        for s in EVAL_SPLITS}
-    if "gnn" in heads:  # GNN+kNN: the GNN's distribution interpolated with kNN-LM's (eq. 5)
-        caches = knn_caches(cfg, workdir, cfg.knn.primary, scores["gnn"])
-        result = fit_and_score(caches["valid"], caches["test"], *grid)
-        scores["gnn+knn"] = {"test": result.pop("test_logprob")}
-        hparams["gnn+knn"] = {**result, "similarity": cfg.knn.metric, "key": cfg.knn.primary,
-                              **search_label(workdir, cfg, cfg.knn.primary)}
-    for name in cfg.learned_wds.named():  # Xu et al. §4.1: interpolated with the base LM
-        lam, valid_ppl = fit_lambda(scores["base"]["valid"], scores[name]["valid"], grid[2])
-        scores[f"{name}+base"] = {"test": interpolate(scores["base"]["test"],
-                                                      scores[name]["test"], lam)}
-        hparams[f"{name}+base"] = {"lambda": lam, "valid_ppl": valid_ppl}
-    for name, row in scores.items():  # the report's perplexities are never inf or nan
+    features = stage_features(cfg, model, store, workdir, location)
+    results = Results(name=cfg.name, dataset=store.manifest["config"]["corpus"],
+                      level=store.level, base_lm=model.identity(),
+                      base_lm_manifest=base_manifest, features=features)
+    results.scores[rows.BASE] = base_scores(workdir)
+    score_knn_rows(cfg, workdir, results)
+    results.heads, results.pq = stage_heads(cfg, workdir)
+    for name, manifest in results.heads.items():
+        results.scores[name] = {s: head_logprobs(workdir, manifest["config"]["name"], s)
+                                for s in EVAL_SPLITS}
+    score_head_interpolations(cfg, workdir, results)
+    for name, row in results.scores.items():  # the report's perplexities are never inf or nan
         for s, values in row.items():
             check_finite(values, f"the {name} row's {s} log p(target)",
                          f"that token gets probability 0 or NaN (λ = 1 leaves the LM no share "
                          f"of it); check the row's inputs with `gnnlm verify {workdir.root}`.")
-    ablations = stage_ablations(cfg, workdir, retrieval)
-    return write_report(cfg, workdir, model, store, scores, hparams, retrieval, heads,
-                        base_manifest, feature_manifests, ablations)
+    results.ablations = stage_ablations(cfg, workdir, results.retrieval)
+    results.data_checks = data_checks.measure(workdir, cfg.knn.primary, cfg.knn.metric, store)
+    return write_report(workdir, results)
+
+
+def base_scores(workdir: Workdir) -> dict[str, np.ndarray]:
+    """The base LM's log p(target) of valid and test, from the features."""
+    scores = {s: np.asarray(open_array(workdir.features(s), "lm_logprob")) for s in EVAL_SPLITS}
+    for s in EVAL_SPLITS:  # a perplexity over these is never inf or nan
+        check_finite(scores[s], f"{workdir.features(s) / 'lm_logprob.bin'}",
+                     changed_hint(workdir.features(s), "features"))
+    return scores
+
+
+def score_knn_rows(cfg: PipelineConfig, workdir: Workdir, results: Results) -> None:
+    """Retrieval of every key type, and its kNN-LM row: (k, T, λ) fitted on valid, test scored
+    (Khandelwal et al. 2020); the primary key's R(c_t) for the report's recall buckets."""
+    # a train feature has read this many tokens back: the leakage rule's window
+    leakage_window = (cfg.neighbors.leakage_window if cfg.neighbors.leakage_window is not None
+                      else results.features["train"]["config"]["context"])  # 0: no masking
+    for key in cfg.knn.keys:
+        retrieval = results.retrieval[key] = stage_retrieval(cfg, workdir, key, leakage_window)
+        caches = knn_caches(cfg, workdir, key)
+        result = fit_and_score(caches["valid"], caches["test"], *cfg.knn.grid())
+        results.add_interpolation(rows.knn_row(key, cfg.knn.primary), result.pop("test_logprob"),
+                                  {**result, "similarity": cfg.knn.metric, "key": key,
+                                   **search_label(workdir, retrieval)})
+        if key == cfg.knn.primary:
+            results.knn_recall = np.asarray(caches["test"]["hits"]).sum(1)
+
+
+def score_head_interpolations(cfg: PipelineConfig, workdir: Workdir, results: Results) -> None:
+    """GNN+kNN: the GNN's distribution interpolated with kNN-LM's (Meng et al. 2022 eq. 5); each
+    learned W_ds interpolated with the base LM (Xu et al. 2023 §4.1)."""
+    scores, grid = results.scores, cfg.knn.grid()
+    if rows.GNN in results.heads:
+        primary = cfg.knn.primary
+        caches = knn_caches(cfg, workdir, primary, scores[rows.GNN])
+        result = fit_and_score(caches["valid"], caches["test"], *grid)
+        results.add_interpolation(rows.GNN_KNN, result.pop("test_logprob"),
+                                  {**result, "similarity": cfg.knn.metric, "key": primary,
+                                   **search_label(workdir, results.retrieval[primary])})
+    for name in cfg.learned_wds.named():
+        lam, valid_ppl = fit_lambda(scores[rows.BASE]["valid"], scores[name]["valid"], grid[2])
+        results.add_interpolation(rows.with_base(name),
+                                  interpolate(scores[rows.BASE]["test"], scores[name]["test"],
+                                              lam),
+                                  {"lambda": lam, "valid_ppl": valid_ppl})
 
 
 def main(args: list[str]) -> None:

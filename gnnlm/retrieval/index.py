@@ -16,108 +16,26 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 import faiss
 import numpy as np
 
 from gnnlm.retrieval.features import check_key, open_features
-from gnnlm.retrieval.search import _as_float32, check_metric, faiss_metric, normalize_rows, to_gpu
+from gnnlm.retrieval.search import _as_float32, faiss_metric, normalize_rows, to_gpu
+from gnnlm.retrieval.settings import (  # noqa: F401  (the settings, importable from here too)
+    FACTORY_CHECK_DIM,
+    MIN_POINTS_PER_CENTROID,
+    IndexConfig,
+    check_metric,
+)
 from gnnlm.retrieval.tuning import tune
-from gnnlm.utils.devices import check_device, faiss_device
+from gnnlm.utils.devices import faiss_device
 from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, read_manifest
 from gnnlm.workdir.layout import Workdir
 
 INDEX_FILE = "index.faiss"
-# faiss warns (and clusters badly) with fewer training points than this per centroid.
-MIN_POINTS_PER_CENTROID = 39
-# the dimension a factory is parsed for when the keys' is not known yet: a multiple of the
-# usual PQ sub-quantizer counts, so that a string valid for some real dimension parses
-FACTORY_CHECK_DIM = 3840
-
-
-@dataclass
-class IndexConfig:
-    """How the index over train keys is built (``factory="auto"``: see ``auto_factory``). After
-    the build, every search setting (``nprobe`` x ``rerank``, see ``gnnlm.retrieval.tuning``) is
-    measured on ``recall_queries`` held-out queries (the valid features, which must exist; 0 skips
-    the measurement) against exact search; the manifest records the table and the fastest setting
-    reaching ``target_recall`` (recall@10) that GPU faiss can run, which the neighbours stage
-    uses unless told otherwise. The key type and the similarity are the pipeline's
-    (``knn.keys``, ``knn.metric``)."""
-    factory: str = "auto"
-    target_recall: float = 0.9
-    code_budget_gb: float = 8.0
-    train_sample: int = 131072
-    seed: int = 0
-    add_chunk: int = 131072
-    exact_below: int = 300_000
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    recall_queries: int = 1000
-
-    def __post_init__(self):
-        if not isinstance(self.factory, str) or not self.factory:
-            raise ValueError(f"index.factory must be 'auto' or a faiss index_factory string "
-                             f"such as 'IVF1024,PQ32' (got {self.factory!r}).")
-        for name in ("train_sample", "add_chunk"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"index.{name} must be >= 1 (got {getattr(self, name)}).")
-        if not 0 < self.target_recall <= 1:
-            raise ValueError(f"index.target_recall must lie in (0, 1] "
-                             f"(got {self.target_recall}).")
-        for name in ("exact_below", "recall_queries"):
-            if int(getattr(self, name)) < 0:
-                raise ValueError(f"index.{name} must be >= 0 (got {getattr(self, name)}).")
-        check_device(self.device)
-        self.check_factory()
-
-    def check_factory(self, d: int | None = None, metric: str | None = None) -> None:
-        """Refuse a ``factory`` that faiss cannot build, before any work: parsed by faiss for
-        ``d``-dimensional keys under ``metric`` (the pipeline passes them when it can know them
-        at load). Without ``d`` only what holds for every dimension is checked (a stand-in
-        dimension that faiss refuses says nothing about the real one). An IVF index needs at
-        least one list and a training sample no smaller than its lists (faiss trains k-means on
-        ``train_sample`` keys)."""
-        if self.factory == "auto":
-            return
-        what = f"index.factory = {self.factory!r}"
-        advice = ("write a faiss index_factory string such as 'IVF1024,SQ8' or 'IVF1024,PQ32', "
-                  "or 'auto' to let the pipeline choose")
-        try:
-            index = faiss.index_factory(d or FACTORY_CHECK_DIM, self.factory,
-                                        faiss_metric(metric) if metric else faiss.METRIC_L2)
-        except RuntimeError as err:
-            # faiss's message is its last line, after "Error in <function> at <file:line>: "
-            reason = re.sub(r"^Error in .*? at \S+:\d+: (Error: '.*?' failed: (?=.))?", "",
-                            str(err).strip().splitlines()[-1]).rstrip(".")
-            if "could not parse" in reason:
-                raise ValueError(f"{what} is not an index faiss can parse ({reason}): "
-                                 f"{advice}.") from None
-            if d is None:
-                return
-            raise ValueError(f"{what} cannot index the base LM's {d}-dimensional keys under "
-                             f"knn.metric = {metric!r} ({reason}): {advice}.") from None
-        ivf = faiss.try_extract_index_ivf(index)
-        if ivf is not None and ivf.nlist < 1:
-            raise ValueError(f"{what} has {ivf.nlist} inverted lists: give IVF<nlist> with "
-                             f"nlist >= 1 (e.g. IVF1024), or 'auto'.")
-        if ivf is not None and ivf.nlist > self.train_sample:
-            raise ValueError(f"{what} has {ivf.nlist} inverted lists but index.train_sample = "
-                             f"{self.train_sample} keys train them: lower nlist or raise "
-                             f"train_sample (faiss wants >= {MIN_POINTS_PER_CENTROID} keys "
-                             f"per list).")
-
-    def fingerprint_config(self) -> dict:
-        # The device does not define the artifact (an index built on GPU is used on CPU); the
-        # search settings and their measurement are recorded in the manifest, not the bytes.
-        cfg = asdict(self)
-        for name in ("device", "recall_queries", "target_recall"):
-            cfg.pop(name)
-        return cfg
 
 
 # -- choosing the index ----------------------------------------------------------------------
@@ -191,7 +109,9 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
                 rebuild: bool = False, stop_after_chunks: int | None = None,
                 search_k: int | None = None, search_width: int | None = None) -> dict:
     """Build the index over the train features' ``key`` keys under ``metric`` (skip / refuse /
-    resume) into ``workdir.index(key, metric)``.
+    resume) into ``workdir.index(key, metric)``: train it (``_trained_index``), add the keys in
+    chunks (``_add_chunks``), measure its search settings (``_choose_search``), and write the
+    manifest.
 
     ``search_k`` is the depth the neighbours stage will search at (``neighbors.K``): the search
     settings are measured that deep and the table records recall@K (``gnnlm.retrieval.tuning``).
@@ -207,12 +127,8 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
     for name, value in (("search_k", search_k), ("search_width", search_width)):
         if value is not None and int(value) < 1:
             raise ValueError(f"{name} must be >= 1 or None (got {value}).")
-    feats_manifest, arrays = open_features(workdir.features("train"))
-    check_key(feats_manifest, key)
-    keys = arrays[key]                                                 # [N, d] float16
-    n, d = (int(s) for s in feats_manifest["arrays"][key]["shape"])
-    if n == 0:
-        raise ValueError(f"The features at {workdir.features('train')} hold no positions.")
+    feats_manifest, keys = _train_keys(workdir, key)                  # [N, d] float16
+    n, d = keys.shape
     base_lm = feats_manifest["base_lm"]
     out_dir = workdir.index(key, metric)
     builder = ArtifactBuilder(
@@ -226,75 +142,115 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
     # before any training: a build that cannot measure its search settings fails in seconds
     queries = _held_out_queries(workdir, key, n, base_lm, config)
     device = faiss_device(config.device)
-    on_gpu = device == "cuda"
-    n_chunks = -(-n // config.add_chunk)
     with builder:
         path = builder.file(INDEX_FILE)
-        progress = builder.progress
-        if progress.get("trained") and path.exists():
-            # Resume: the saved index is the trained one plus the chunks already added.
-            index = faiss.read_index(str(path))
-            factory, train_seconds = progress["factory"], progress["train_seconds"]
-            # the index file, written after each chunk, is the record of what was added
-            done = index.ntotal // config.add_chunk if index.ntotal < n else n_chunks
-            if index.ntotal != min(done * config.add_chunk, n):
-                raise ArtifactError(f"{path} holds {index.ntotal} keys, not a whole number of "
-                                    f"add chunks of {config.add_chunk}: delete {builder.partial} "
-                                    f"and build again.")
-            progress["chunks_done"] = done
-        else:
-            t0 = time.perf_counter()
-            rng = np.random.default_rng(config.seed)
-            sample_rows = np.sort(rng.choice(n, size=min(config.train_sample, n), replace=False))
-            sample = _read_keys(keys, sample_rows, metric)             # [n_train, d]
-            factory = (auto_factory(n, d, sample, config) if config.factory == "auto"
-                       else config.factory)
-            try:
-                index = faiss.index_factory(d, factory, faiss_metric(metric))
-            except RuntimeError as err:
-                raise ValueError(f"faiss cannot build index factory {factory!r} for d={d} "
-                                 f"(got error: {str(err).strip().splitlines()[-1]}).") from err
-            if not index.is_trained:
-                trainer = to_gpu(index) if on_gpu else index
-                trainer.train(sample)
-                index = faiss.index_gpu_to_cpu(trainer) if on_gpu else trainer
-            del sample
-            train_seconds = round(time.perf_counter() - t0, 3)
-            _write_index(index, path, on_gpu=False)
-            builder.save_progress(trained=True, factory=factory, train_seconds=train_seconds,
-                                  chunks_done=0)
-        if on_gpu:
-            index = to_gpu(index)
-        for chunk in builder.chunks(n_chunks, f"index {key}-{metric}", stop_after_chunks):
-            t0 = time.perf_counter()
-            start = chunk * config.add_chunk
-            index.add(_read_keys(keys, slice(start, min(start + config.add_chunk, n)), metric))
-            _write_index(index, path, on_gpu)
-            progress["add_seconds"] = round(
-                progress.get("add_seconds", 0.0) + time.perf_counter() - t0, 3)
+        index = _trained_index(builder, path, keys, metric, config, on_gpu=device == "cuda")
+        _add_chunks(builder, index, path, keys, f"index {key}-{metric}", metric, config,
+                    on_gpu=device == "cuda", stop_after_chunks=stop_after_chunks)
         if builder.interrupted:
             return {}
-        cpu_index = faiss.read_index(str(path))  # exactly the bytes that ship
-        t0 = time.perf_counter()
-        search, table = _choose_search(cpu_index, keys, queries, key, metric, config,
-                                       search_k, search_width)
-        recall = {name.split("@")[1]: value for name, value in search.items()
-                  if name.startswith("recall@")}
+        measured = _measured_search(path, keys, queries, key, metric, config, search_k,
+                                    search_width)
+        progress = builder.progress
         return builder.finish(extra={
-            "key": key, "metric": metric, "factory": factory,
-            "factory_requested": config.factory, "n": n, "d": d,
-            "nprobe": search["nprobe"], "rerank": search["rerank"], "search": search,
-            "tuning": table, "target_recall": config.target_recall,
-            "train_points": min(config.train_sample, n), "train_seconds": train_seconds,
-            "add_seconds": progress.get("add_seconds", 0.0), "recall": recall,
+            "key": key, "metric": metric, "factory": progress["factory"],
+            "factory_requested": config.factory, "n": n, "d": d, **measured,
+            "train_points": min(config.train_sample, n),
+            "train_seconds": progress["train_seconds"],
+            "add_seconds": progress.get("add_seconds", 0.0),
+            "base_lm": base_lm, "features": feats_manifest["fingerprint"],
+            "index_file": INDEX_FILE, "index_bytes": path.stat().st_size, "device": device,
+            "faiss_version": faiss.__version__})
+
+
+def _train_keys(workdir: Workdir, key: str) -> tuple[dict, np.ndarray]:
+    """The train features' manifest and their ``key`` keys [N, d] (float16, memory-mapped)."""
+    feats_manifest, arrays = open_features(workdir.features("train"))
+    check_key(feats_manifest, key)
+    keys = arrays[key]
+    n = int(feats_manifest["arrays"][key]["shape"][0])
+    if n == 0:
+        raise ValueError(f"The features at {workdir.features('train')} hold no positions.")
+    return feats_manifest, keys
+
+
+def _trained_index(builder: ArtifactBuilder, path: Path, keys: np.ndarray, metric: str,
+                   config: IndexConfig, on_gpu: bool) -> faiss.Index:
+    """The trained index, on the CPU, with the chunks a killed build added: reloaded from the
+    ``.partial`` folder when one was saved (never retrained), else trained on a seeded sample of
+    ``train_sample`` keys and saved with its factory and training time in the progress."""
+    n, d = keys.shape
+    progress = builder.progress
+    if progress.get("trained") and path.exists():
+        index = faiss.read_index(str(path))
+        # the index file, written after each chunk, is the record of what was added
+        n_chunks = -(-n // config.add_chunk)
+        done = index.ntotal // config.add_chunk if index.ntotal < n else n_chunks
+        if index.ntotal != min(done * config.add_chunk, n):
+            raise ArtifactError(f"{path} holds {index.ntotal} keys, not a whole number of "
+                                f"add chunks of {config.add_chunk}: delete {builder.partial} "
+                                f"and build again.")
+        progress["chunks_done"] = done
+        return index
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(config.seed)
+    sample_rows = np.sort(rng.choice(n, size=min(config.train_sample, n), replace=False))
+    sample = _read_keys(keys, sample_rows, metric)                     # [n_train, d]
+    factory = (auto_factory(n, d, sample, config) if config.factory == "auto"
+               else config.factory)
+    try:
+        index = faiss.index_factory(d, factory, faiss_metric(metric))
+    except RuntimeError as err:
+        raise ValueError(f"faiss cannot build index factory {factory!r} for d={d} "
+                         f"(got error: {str(err).strip().splitlines()[-1]}).") from err
+    if not index.is_trained:
+        trainer = to_gpu(index) if on_gpu else index
+        trainer.train(sample)
+        index = faiss.index_gpu_to_cpu(trainer) if on_gpu else trainer
+    del sample
+    train_seconds = round(time.perf_counter() - t0, 3)
+    _write_index(index, path, on_gpu=False)
+    builder.save_progress(trained=True, factory=factory, train_seconds=train_seconds,
+                          chunks_done=0)
+    return index
+
+
+def _add_chunks(builder: ArtifactBuilder, index: faiss.Index, path: Path, keys: np.ndarray,
+                desc: str, metric: str, config: IndexConfig, on_gpu: bool,
+                stop_after_chunks: int | None) -> None:
+    """Add the keys in fixed chunks of ``add_chunk`` from the first one not added yet, writing
+    the index after each (the resumption point) and the time spent in the progress."""
+    n = len(keys)
+    progress = builder.progress
+    if on_gpu:
+        index = to_gpu(index)
+    for chunk in builder.chunks(-(-n // config.add_chunk), desc, stop_after_chunks):
+        t0 = time.perf_counter()
+        start = chunk * config.add_chunk
+        index.add(_read_keys(keys, slice(start, min(start + config.add_chunk, n)), metric))
+        _write_index(index, path, on_gpu)
+        progress["add_seconds"] = round(
+            progress.get("add_seconds", 0.0) + time.perf_counter() - t0, 3)
+
+
+def _measured_search(path: Path, keys: np.ndarray, queries: np.ndarray | None, key: str,
+                     metric: str, config: IndexConfig, search_k: int | None,
+                     search_width: int | None) -> dict:
+    """What the manifest records of the search settings, measured on the index file as written
+    (exactly the bytes that ship): the chosen ``nprobe`` and ``rerank``, the table, recall."""
+    cpu_index = faiss.read_index(str(path))
+    t0 = time.perf_counter()
+    search, table = _choose_search(cpu_index, keys, queries, key, metric, config,
+                                   search_k, search_width)
+    recall = {name.split("@")[1]: value for name, value in search.items()
+              if name.startswith("recall@")}
+    return {"nprobe": search["nprobe"], "rerank": search["rerank"], "search": search,
+            "tuning": table, "target_recall": config.target_recall, "recall": recall,
             "recall_queries": 0 if queries is None else len(queries),
             # what the table was measured for (the neighbours' K and widest search); named
             # apart from the neighbours manifest's search_k, which is its width
             "tuning_k": search_k, "tuning_width": search_width or search_k,
-            "recall_seconds": round(time.perf_counter() - t0, 3),
-            "base_lm": base_lm, "features": feats_manifest["fingerprint"],
-            "index_file": INDEX_FILE, "index_bytes": path.stat().st_size, "device": device,
-            "faiss_version": faiss.__version__})
+            "recall_seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _held_out_queries(workdir: Workdir, key: str, n: int, base_lm: dict,

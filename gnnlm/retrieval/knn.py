@@ -20,52 +20,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
+from gnnlm.retrieval.settings import (  # noqa: F401  (the grid's settings, importable from here)
+    DEFAULT_KS,
+    DEFAULT_LAMBDAS,
+    check_lambda,
+    check_temperature,
+    default_temperatures,
+    grid_or_point,
+)
 from gnnlm.utils.metrics import perplexity, ppl_from_logprobs
 
 CACHE_ARRAYS = ("lm_logprob", "sims", "hits")
 
 
 # -- settings --------------------------------------------------------------------------------
-def check_lambda(lam: Any) -> None:
-    values = np.asarray(lam, dtype=np.float64)
-    if values.size and (not np.all(np.isfinite(values)) or values.min() < 0 or values.max() > 1):
-        raise ValueError(f"λ (knn.lambda_) must lie in [0, 1] (got {lam}).")
-
-
-def check_temperature(temperature: Any) -> None:
-    values = np.asarray(temperature, dtype=np.float64)
-    if values.size and (not np.all(np.isfinite(values)) or values.min() <= 0):
-        raise ValueError(f"The temperature T (knn.temperature) must be a finite number > 0 "
-                         f"(got {temperature}).")
-
-
 def check_k(k: Any, K: int) -> None:
     values = np.asarray(k)
     if values.size and (values.min() < 1 or values.max() > K or
                         not np.all(values == np.round(values))):
         raise ValueError(f"k (knn.k) must be an integer between 1 and the K = {K} stored "
                          f"neighbours (got {k}); build the neighbours with a larger K for more.")
-
-
-def default_temperatures(metric: str) -> list[float]:
-    """A T grid that brackets the optimum for the similarity's scale.
-
-    Cosine similarities lie in [-1, 1] and neighbours differ by hundredths, so the optimum is
-    near T = 0.01 (measured on WikiText-2); inner products and squared distances of
-    transformer features are hundreds of times larger, and so is their T.
-    """
-    if metric == "cos":
-        return [0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
-    return [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]
-
-
-DEFAULT_KS = [8, 16, 32, 64, 128, 256, 512, 1024]
-DEFAULT_LAMBDAS = [round(0.05 * i, 2) for i in range(20)]
 
 
 # -- array helpers ---------------------------------------------------------------------------
@@ -268,8 +247,3 @@ def fit_lambda(lm_valid: Any, other_valid: Any, lambdas: Sequence[float],
            for lam in lams]
     best = int(np.argmin(ppl))
     return float(lams[best]), ppl[best]
-
-
-def grid_or_point(values: Sequence, pinned: Optional[Any]) -> list:
-    """A grid axis, or the one value a W&B agent pins."""
-    return [pinned] if pinned is not None else list(values)

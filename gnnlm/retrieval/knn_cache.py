@@ -27,6 +27,7 @@ from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.knn import CACHE_ARRAYS
 from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
 from gnnlm.retrieval.search import rescore
+from gnnlm.retrieval.settings import SCORES, check_scores  # noqa: F401  (importable from here)
 from gnnlm.utils.metrics import check_finite, perplexity
 from gnnlm.workdir.artifacts import (
     ArtifactBuilder,
@@ -38,7 +39,6 @@ from gnnlm.workdir.artifacts import (
 )
 from gnnlm.workdir.layout import Workdir
 
-SCORES = ("faiss", "exact")
 # What a cache manifest records of its neighbours' search (``search_facts``).
 SEARCH_FACTS = ("backend", "factory", "nprobe", "rerank", "scores_are_exact")
 # faiss factories searched exhaustively (every key scored): their neighbours are the exact ones.
@@ -46,12 +46,6 @@ _EXHAUSTIVE = re.compile(r"(IDMap2?,)?Flat")
 # factories whose index holds the keys uncompressed: the distances it returns are exact, whatever
 # lists or graph nodes it visits.
 _UNCOMPRESSED = re.compile(r"(IDMap2?,)?((IVF\d+(_HNSW\d+)?|HNSW\d+),)?Flat|HNSW\d+")
-
-
-def check_scores(scores: str) -> None:
-    if scores not in SCORES:
-        raise ValueError(f"scores must be 'faiss' (the search's scores) or 'exact' "
-                         f"(recomputed from the stored keys) (got {scores!r}).")
 
 
 def exhaustive_index(factory: str | None) -> bool:

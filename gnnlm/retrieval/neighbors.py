@@ -28,9 +28,8 @@ over every GPU of one process (``gnnlm.retrieval.multi_gpu``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union
 
 import faiss
 import numpy as np
@@ -39,6 +38,7 @@ import torch
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.retrieval.multi_gpu import require_faiss_gpu, shard_over_gpus
 from gnnlm.retrieval.search import Searcher
+from gnnlm.retrieval.settings import NeighborsConfig  # the settings, importable from here too
 from gnnlm.utils.devices import faiss_has_gpu
 from gnnlm.utils.progress import say
 from gnnlm.workdir.artifacts import (
@@ -49,68 +49,8 @@ from gnnlm.workdir.artifacts import (
     read_manifest,
 )
 from gnnlm.workdir.layout import Workdir
-from gnnlm.workdir.ranks import Rank, check_devices, run_on_ranks
+from gnnlm.workdir.ranks import Rank, run_on_ranks
 from gnnlm.workdir.shards import ShardedJob, totals
-
-
-@dataclass
-class NeighborsConfig:
-    """Retrieval for every position.
-
-    ``leakage_window`` is W for train queries: how many tokens back a feature has read; None
-    takes the ``leakage_window`` argument of ``build_neighbors``, which the pipeline sets to the
-    features' context length. 0 disables masking (an ablation only).
-    ``train_queries`` retrieves for the first N train positions only (the prefix that heads
-    train on; the datastore itself stays whole); valid and test always get every position.
-    ``devices`` searches the query chunks on that many processes (one per GPU on CUDA; "auto":
-    every GPU), with the same bytes as one process. ``shard_index`` spreads the faiss index over
-    every GPU of one process (an index too large for one GPU; needs faiss-gpu). Neither changes
-    the artifact, so neither is part of its fingerprint. ``nprobe`` and ``rerank`` are the
-    index's search settings (``gnnlm.retrieval.tuning``): ``"auto"`` takes those the index stage
-    measured to reach its target recall.
-    """
-    K: int = 1024
-    leakage_window: int | None = None
-    train_queries: int | None = None
-    batch_size: int = 4096
-    backend: Literal["index", "exact"] = "index"
-    chunk: int = 65536
-    devices: Union[int, Literal["auto"]] = 1
-    shard_index: bool = False
-    nprobe: Union[int, Literal["auto"]] = "auto"
-    rerank: Union[float, Literal["auto"]] = "auto"
-
-    def __post_init__(self):
-        for name in ("K", "batch_size", "chunk"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"neighbors.{name} must be >= 1 (got {getattr(self, name)}).")
-        if self.train_queries is not None and self.train_queries < 1:
-            raise ValueError(f"neighbors.train_queries must be >= 1 or None for all "
-                             f"(got {self.train_queries}).")
-        if self.leakage_window is not None and self.leakage_window < 0:
-            raise ValueError(f"neighbors.leakage_window must be >= 0 or None for the base LM's "
-                             f"context length (got {self.leakage_window}).")
-        if self.backend not in ("index", "exact"):
-            raise ValueError(f"neighbors.backend must be 'index' or 'exact' "
-                             f"(got {self.backend!r}).")
-        check_devices(self.devices, "neighbors.devices")
-        if self.nprobe != "auto" and int(self.nprobe) < 1:
-            raise ValueError(f"neighbors.nprobe must be >= 1 or 'auto' (got {self.nprobe}).")
-        if self.rerank != "auto" and not (float(self.rerank) == 0 or float(self.rerank) >= 1):
-            raise ValueError(f"neighbors.rerank must be 0 (the index's own scores), >= 1 "
-                             f"(candidates per neighbour, re-ranked exactly) or 'auto' "
-                             f"(got {self.rerank}).")
-        if self.shard_index and (self.backend != "index" or self.devices != 1):
-            raise ValueError(f"neighbors.shard_index spreads one faiss index over the GPUs of "
-                             f"one process: it needs backend 'index' and devices 1 (got "
-                             f"backend={self.backend!r}, devices={self.devices!r}).")
-
-    def fingerprint_config(self) -> dict:
-        """The fields that define the neighbours (how many processes searched them does not)."""
-        cfg = asdict(self)
-        for name in ("devices", "shard_index", "nprobe", "rerank"):  # resolved ones: `search`
-            cfg.pop(name)
-        return cfg
 
 
 def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, window: int, K: int

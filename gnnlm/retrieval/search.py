@@ -29,20 +29,15 @@ import torch
 from torch.nn import functional as F
 
 from gnnlm.retrieval.features import check_key, open_features
+from gnnlm.retrieval.settings import METRICS, check_metric  # noqa: F401  (importable from here)
 from gnnlm.utils.devices import faiss_device, torch_device
 from gnnlm.workdir.artifacts import read_manifest
 from gnnlm.workdir.layout import Workdir
 
-METRICS = ("cos", "ip", "l2")
 # GPU faiss refuses k (and nprobe) above this; larger searches run on the CPU copy
 # (``Searcher.search`` warns once), and tuning never picks such a setting
 # (``gnnlm.retrieval.tuning``).
 GPU_MAX_K = 2048
-
-
-def check_metric(metric: str) -> None:
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS} (got {metric!r}).")
 
 
 def candidate_width(k: int, rerank: float, ntotal: int) -> int:

@@ -65,14 +65,6 @@ def frequency_buckets(targets: np.ndarray, train_counts: np.ndarray, logprob: np
     return rows
 
 
-def check_k_curve(ks: list[int], stored: int) -> None:
-    """Refuse a k the stored neighbours cannot serve (k > K, or k < 1)."""
-    bad = [k for k in ks if not 1 <= int(k) <= stored]
-    if bad:
-        raise ValueError(f"k = {bad} neighbours asked for, but {stored} are stored per token: "
-                         f"the k curve can only read 1 <= k <= K.")
-
-
 def plot_gate_histograms(histograms: dict[str, dict], path: Path) -> None:
     """SPALM Fig. 4-5: one panel per split, tokens per bin of their mean gate."""
     import matplotlib

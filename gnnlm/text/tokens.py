@@ -14,11 +14,12 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 import numpy as np
 
 from gnnlm.text.corpus import SPLIT_FILES, SPLITS, locate_corpus
+from gnnlm.text.settings import TokenizerConfig  # the settings, without tokenizers: for configs
 from gnnlm.workdir.artifacts import (
     ArtifactBuilder,
     ArtifactError,
@@ -30,21 +31,6 @@ from gnnlm.workdir.artifacts import (
 )
 
 EOS, UNK = "<eos>", "<unk>"
-
-
-@dataclass
-class TokenizerConfig:
-    r"""How text becomes token ids.
-
-    kind: ``word`` (whitespace + ``<eos>`` per line), ``char`` (one id per character, ``\\n``
-    included), ``bpe`` (train a byte-level BPE with ``vocab_size`` on the train split), or ``hf``
-    (``path`` is a ``tokenizer.json`` file or a pretrained model's name or folder).
-    ``max_vocab`` (word level) keeps the most frequent words and maps the rest to ``<unk>``.
-    """
-    kind: Literal["word", "char", "bpe", "hf"] = "word"
-    vocab_size: int = 32000
-    path: Optional[str] = None
-    max_vocab: Optional[int] = None
 
 
 def _lines(text: str) -> list[str]:

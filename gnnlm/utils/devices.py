@@ -1,9 +1,18 @@
-"""Where work runs: ``"auto"`` means CUDA when torch sees a GPU (faiss: when faiss-gpu does)."""
+"""Where work runs: ``"auto"`` means CUDA when torch sees a GPU (faiss: when faiss-gpu does).
+
+The checks of a setting's spelling (``check_device``, ``check_devices``) need neither torch nor
+faiss, so a config is checked without them: torch and faiss are imported by the functions that
+ask the machine.
+"""
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("auto", "cpu", "cuda")
+Devices = Union[int, str]  # a number of processes, or "auto"
 
 
 def check_device(device: str) -> None:
@@ -11,11 +20,22 @@ def check_device(device: str) -> None:
         raise ValueError(f"device must be one of {DEVICES} or 'cuda:<n>' (got {device!r}).")
 
 
+def check_devices(devices: Devices, where: str = "devices") -> None:
+    """``devices`` is a process count >= 1 or ``"auto"``."""
+    if devices == "auto":
+        return
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"{where} must be a number of processes >= 1 or 'auto' "
+                         f"(got {devices!r}).")
+
+
 def check_available(device: str, setting: str) -> None:
     """Refuse a CUDA ``device`` that torch cannot use on this machine, naming ``setting``: a
     config is checked when it loads, so the run stops before its first stage rather than with
     torch's own message after hours of work. By availability, not by name: a GPU machine
     accepts the same config."""
+    import torch
+
     check_device(device)
     if not str(device).startswith("cuda"):
         return
@@ -44,6 +64,8 @@ def check_faiss_available(device: str, setting: str) -> None:
 def check_accelerator(accelerator: object, where: str) -> None:
     """Refuse a Lightning trainer that asks for CUDA (``trainer.accelerator: gpu`` or ``cuda``,
     as configs/trainer/gpu.yaml does) on a machine without it; ``where`` names the config."""
+    import torch
+
     if str(accelerator).lower() in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ValueError(f"{where} sets trainer.accelerator: {accelerator}, but torch sees no "
                          f"CUDA GPU on this machine: start that chain with "
@@ -54,6 +76,8 @@ def check_accelerator(accelerator: object, where: str) -> None:
 
 def torch_device(device: str | torch.device = "auto") -> torch.device:
     """The torch device for ``device`` (``"auto"``: the first GPU when there is one)."""
+    import torch
+
     if isinstance(device, torch.device):
         return device
     check_device(device)

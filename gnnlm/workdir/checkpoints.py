@@ -4,29 +4,51 @@
 checkpoint here is read with ``weights_only=True``, which unpickles tensors, containers and
 numbers, plus the few configuration classes of this package that the data modules save in their
 hyper-parameters. Anything else is refused with a message that names the file.
+
+Those classes mark themselves ``@checkpoint_safe`` where they are defined, in light settings
+modules that import nothing heavy (the ``gnnlm`` package imports them first, so the registry is
+full before any checkpoint is read); this module knows none of them and imports nothing of the
+package. A class that moved keeps loading from older checkpoints, which pickled it under its
+former module path, by naming that path too.
 """
 from __future__ import annotations
 
 import os
 import re
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+C = TypeVar("C", bound=type)
+# what torch.serialization.safe_globals takes: a class, or (class, the name a pickle uses)
+SafeGlobal = Union[Callable[..., Any], tuple[Callable[..., Any], str]]
+_SAFE: list[SafeGlobal] = []
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, or holds something that is not plain data."""
 
 
-def plain_classes() -> list:
-    """The classes besides tensors and plain data that a checkpoint of this package may hold:
-    the configuration dataclasses the data modules take as arguments (saved as hparams)."""
-    from gnnlm.gnn.graph import GraphConfig
-    from gnnlm.text.tokens import TokenizerConfig
+def checkpoint_safe(*former_names: str) -> Callable[[C], C]:
+    """Class decorator: checkpoints may hold instances of this plain configuration class (a
+    data module's argument, saved in its hyper-parameters). ``former_names``: the dotted paths
+    (``package.module.Class``) it was pickled under before it moved."""
+    def register(cls: C) -> C:
+        _SAFE.append(cls)
+        _SAFE.extend((cls, name) for name in former_names)
+        return cls
 
-    return [TokenizerConfig, GraphConfig]
+    return register
+
+
+def plain_classes() -> list[SafeGlobal]:
+    """The classes besides tensors and plain data that a checkpoint of this package may hold
+    (``checkpoint_safe``), as ``torch.serialization.safe_globals`` takes them."""
+    return list(_SAFE)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -37,6 +59,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"No checkpoint at {path}: give a .ckpt written by `gnnlm fit` "
                               f"(or hf:<name-or-folder> for a Hugging Face model).")
+    import torch
+
     try:
         with torch.serialization.safe_globals(plain_classes()):
             return torch.load(path, map_location="cpu", weights_only=True,

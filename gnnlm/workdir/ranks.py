@@ -16,24 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 
-from gnnlm.utils.devices import check_device, torch_device
+# check_devices and Devices live with the other device settings; importable from here too
+from gnnlm.utils.devices import Devices, check_device, check_devices, torch_device
 
-Devices = Union[int, str]
 STRATEGIES = ("ddp_spawn", "ddp")
 T = TypeVar("T")
-
-
-def check_devices(devices: Devices, where: str = "devices") -> None:
-    """``devices`` is a process count >= 1 or ``"auto"``."""
-    if devices == "auto":
-        return
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"{where} must be a number of processes >= 1 or 'auto' "
-                         f"(got {devices!r}).")
 
 
 def resolve_devices(devices: Devices, device: str = "auto") -> tuple[int, str]:

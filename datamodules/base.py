@@ -1,0 +1,86 @@
+"""The base of the data modules that read ``gnnlm pipeline``'s work directory (features,
+neighbours, PQ codes, tokens) rather than a corpus: the work directory, the one error for
+artifacts that are not there yet, the sizes and base LM the CLI links into the model, the base
+LM's output embedding, and the valid/test/predict loaders.
+
+The split that ``predict`` scores is ``predict_split``: the init argument, or what whoever runs
+predict sets (``gnnlm.pipeline.runner`` scores valid and test in turn).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Optional
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from gnnlm.models.encode import stream_tensor
+from gnnlm.retrieval.features import load_output_embedding, open_features
+from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.workdir.layout import Workdir
+
+
+class WorkdirDataModule(pl.LightningDataModule):
+    """Subclasses check their own arguments, call ``super().__init__(workdir, predict_split)``
+    and ``save_hyperparameters()``, read their manifests inside ``reading_artifacts(...)``, and
+    implement ``eval_dataloader(split)`` (and ``train_dataloader``)."""
+
+    def __init__(self, workdir: str, predict_split: str):
+        super().__init__()
+        self.workdir = Workdir(workdir)
+        self.predict_split = predict_split
+
+    @contextlib.contextmanager
+    def reading_artifacts(self, what: str) -> Iterator[None]:
+        """Turn a missing or unfinished artifact into the one error that says what to run."""
+        try:
+            yield
+        except ArtifactError as err:
+            raise ArtifactError(f"{err} {type(self).__name__} reads the artifacts of `gnnlm "
+                                f"pipeline` ({what}); run its retrieval stages first.") from err
+
+    def use_features(self, train: dict) -> None:
+        """The sizes the CLI links into the model, from the train features' manifest, and the
+        base LM's logit soft-capping (applied after its output embedding)."""
+        self.vocab_size, self.feature_dim = train["vocab_size"], train["dim"]
+        self.logit_softcap: Optional[float] = train["base_lm"].get("logit_softcap")
+
+    def use_base_lm(self, train: dict, base_lm_path: Optional[str]) -> None:
+        """The base LM the CLI links into models that run it: ``base_lm_path``, or where the
+        train features say theirs is (``hf:<name>``, or a checkpoint path relative to the work
+        directory, so the directory can move); and its weights' fingerprint, which the model
+        checks."""
+        identity = train["base_lm"]
+        location = identity.get("location")
+        if not base_lm_path and not location:
+            raise ArtifactError(f"The features in {self.workdir.features('train')} do not record "
+                                f"where their base LM is: pass base_lm_path.")
+        self.base_lm = base_lm_path or (
+            location if location.startswith("hf:") else str(self.workdir.resolve(location)))
+        self.base_lm_fingerprint = identity["fingerprint"]
+
+    def token_stream(self, split: str, n: int, bos_id: int) -> torch.Tensor:
+        """The datastore's token stream of ``split``: ``[bos]`` + the first ``n`` targets of its
+        features, so the tokens are exactly those the features were computed on."""
+        targets = open_features(self.workdir.features(split))[1]["targets"]
+        return stream_tensor(np.asarray(targets[:n]), bos_id)
+
+    def output_embedding(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The base LM's output embedding ``(W [V, d], b [V] or None)``."""
+        return load_output_embedding(self.workdir)
+
+    def eval_dataloader(self, split: str) -> DataLoader:
+        """The loader that scores every position of ``split`` once."""
+        raise NotImplementedError
+
+    def val_dataloader(self) -> DataLoader:
+        return self.eval_dataloader("valid")
+
+    def test_dataloader(self) -> DataLoader:
+        return self.eval_dataloader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.eval_dataloader(self.predict_split)

@@ -1,0 +1,29 @@
+"""The callback that hands a model the work directory's arrays it reads but does not own: the
+base LM's output embedding (heads on frozen features: GNN-LM, SPALM's gate) and the train node
+features that GNN-LM's evaluation reads windows from.
+
+They are arrays, not settings, so they are not init arguments linked from the data module
+(which would save them as hyper-parameters in every checkpoint); and the model does not fetch
+them from ``trainer.datamodule`` itself. Every ``gnnlm`` Lightning command adds this callback
+(``gnnlm.lit.cli.GnnlmCLI``); outside a Trainer, call the model's ``attach_output_embedding`` /
+``attach_node_features``.
+"""
+from __future__ import annotations
+
+import pytorch_lightning as pl
+
+
+class AttachDatastore(pl.Callback):
+    """At ``setup``, give the model what the data module serves, where the model has none yet."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        data = trainer.datamodule
+        if data is None:
+            return
+        if (getattr(pl_module, "uses_output_embedding", False)
+                and not pl_module.has_output_embedding and hasattr(data, "output_embedding")):
+            pl_module.attach_output_embedding(*data.output_embedding(),
+                                              getattr(data, "logit_softcap", None))
+        if (hasattr(pl_module, "attach_node_features") and not pl_module.has_node_features
+                and hasattr(data, "node_features")):
+            pl_module.attach_node_features(data.node_features(), data.n_train)

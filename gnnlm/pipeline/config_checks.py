@@ -1,0 +1,359 @@
+"""The checks that run when a pipeline config loads, before any work: the settings that span
+several files, and (``check_machine``) what the config asks of this machine.
+
+A pipeline YAML names, per stage, its settings; trained parts (the base LM and the heads) are
+``gnnlm fit`` YAMLs given as a list. ``check_contracts`` refuses, with one message each:
+
+- kNN settings that the stored neighbours cannot serve (``knn.ks``/``knn.k`` above
+  ``neighbors.K``);
+- head configs that read other retrieval artifacts than the pipeline builds: the graph and
+  SPALM data modules must use ``knn.keys[0]`` and ``knn.metric`` (the only key whose train
+  neighbours are searched), keep at most ``neighbors.K`` neighbours, and train on at most the
+  ``neighbors.train_queries`` positions that have train neighbours (``train_tokens`` unset:
+  every position that has them), with every count of windows (``graph.k``, ...) >= 1;
+- a corpus or tokenizer other than the base LM's (the rule is in ``CorpusConfig``);
+- feature windows beyond the base LM's context and an index factory faiss cannot build for
+  its hidden size, where ``base_lm_shape`` knows them at load.
+
+``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU. Settings
+out of range within one section are each dataclass's own check (``gnnlm.pipeline.config``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import yaml
+
+from gnnlm.models.settings import DEFAULT_CONTEXT, is_hf
+from gnnlm.pipeline.config_files import merged_yaml, yaml_list
+from gnnlm.text.corpus import locate_corpus
+from gnnlm.text.settings import TokenizerConfig, tokenizer_settings
+from gnnlm.utils.devices import check_accelerator, check_available, check_faiss_available
+from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
+
+if TYPE_CHECKING:
+    from gnnlm.pipeline.config import CorpusConfig, PipelineConfig
+
+# the stages ``rebuild`` may name, besides the heads' rows (``PipelineConfig.rebuilds``)
+STAGES = ("tokens", "base_lm", "features", "index", "neighbors", "knn_cache", "pq", "heads",
+          "ablations")
+
+
+def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
+    """The settings that span several files (see the module docstring); ``files`` are the
+    pipeline YAMLs, named in messages."""
+    if not isinstance(cfg.rebuild, bool):
+        known = {"all", *STAGES, *cfg.heads(), "base_lm_xl"}
+        unknown = [s for s in cfg.rebuild if s not in known]
+        if unknown:
+            raise ValueError(f"--rebuild names stages {sorted(known)} (got {unknown}).")
+    K = cfg.neighbors.K
+    ks = cfg.knn.grid()[0]
+    if max(ks) > K:
+        raise ValueError(f"knn.ks/knn.k ask for up to k = {max(ks)} neighbours but "
+                         f"neighbors.K = {K} are stored: lower k or raise neighbors.K.")
+    if cfg.base_lm.ckpt is None and not yaml_list(cfg.base_lm.config):
+        raise ValueError("base_lm needs `ckpt` (a checkpoint or hf:<name>) or `config` (the "
+                         "`gnnlm fit` YAMLs to train one).")
+    tokenizer = cfg.corpus.tokenizer if cfg.corpus is not None else None
+    if (tokenizer is not None and tokenizer.kind == "hf" and not tokenizer.path
+            and not (cfg.base_lm.ckpt or "").startswith("hf:")):
+        raise ValueError("corpus.tokenizer kind 'hf' without a path means the Hugging Face base "
+                         "LM's own tokenizer, but base_lm.ckpt is not hf:<name-or-folder>: give "
+                         "corpus.tokenizer.path.")
+    if cfg.ablations.memory_lm is not None:
+        merged_yaml(yaml_list(cfg.ablations.memory_lm))  # the files exist and parse
+    for row, paths in cfg.heads().items():
+        _check_head(cfg, row, paths, merged_yaml(paths))
+    for paths in (yaml_list(cfg.base_lm.config),):
+        merged_yaml(paths)
+    _check_against_base_lm(cfg)
+    _check_corpus(cfg, files)
+
+
+# the pipeline's corpus fields and the ``LMDataModule`` arguments that name the same thing
+CORPUS_ARGS = {"name": "corpus", "path": "corpus_path", "data_dir": "data_dir"}
+
+
+def _check_corpus(cfg: PipelineConfig, files: Sequence[str]) -> None:
+    """One corpus and tokenizer for the whole run (the rule is in ``CorpusConfig``)."""
+    ckpt = cfg.base_lm.ckpt
+    if cfg.corpus is None:
+        return
+    if ckpt is None:
+        _check_trained_corpus(cfg.corpus, yaml_list(cfg.base_lm.config), files)
+    elif not is_hf(ckpt):
+        _check_checkpoint_corpus(cfg.corpus, ckpt, files)
+
+
+def _check_trained_corpus(corpus: CorpusConfig, paths: list[str], files: Sequence[str]) -> None:
+    """The base LM trained here reads the pipeline's corpus: a field its config's data section
+    also sets must agree with it."""
+    layers = [(merged_yaml([p]).get("data") or {}).get("init_args") or {} for p in paths]
+    data = (merged_yaml(paths).get("data") or {}).get("init_args") or {}
+    setter = {arg: p for p, layer in zip(paths, layers) for arg in layer}  # the last wins
+
+    def theirs(args: list[str]) -> str:
+        return ", ".join(f"data.init_args.{a} = {_shown(data[a])} ({setter[a]})" for a in args)
+
+    def fix(what: str) -> str:
+        return (f"Name the {what} once: in the pipeline's corpus section (passed to the base "
+                f"LM's training) or in the base LM config's data section.")
+
+    named = [arg for arg in CORPUS_ARGS.values() if arg in setter]
+    if named:
+        same = _same_corpus(corpus, data.get("corpus", "wikitext-2"), data.get("corpus_path"),
+                            data.get("data_dir"), [f for f, a in CORPUS_ARGS.items() if a in named])
+        if not same:
+            raise ValueError(f"The pipeline's {_ours(corpus, files)} and its base LM config's "
+                             f"{theirs(named)} name different corpora: the base LM would be "
+                             f"trained on one and the datastore built from the other. "
+                             f"{fix('corpus')}")
+    if "tokenizer" in setter and (tokenizer_settings(data["tokenizer"])
+                                  != tokenizer_settings(corpus.tokenizer)):
+        raise ValueError(f"The pipeline's {_ours(corpus, files, ['tokenizer'])} and its base LM "
+                         f"config's {theirs(['tokenizer'])} name different tokenizers: the base "
+                         f"LM would be trained on other token ids than the datastore's. "
+                         f"{fix('tokenizer')}")
+
+
+def _check_checkpoint_corpus(corpus: CorpusConfig, ckpt: str, files: Sequence[str]) -> None:
+    """A ``gnnlm fit`` checkpoint names the corpus and tokenizer it was trained on."""
+    saved = datamodule_args(ckpt)
+    if "corpus" not in saved:  # not trained by ``gnnlm fit`` on a corpus: nothing to compare
+        return
+    fix = ("Leave out the pipeline's corpus section (the checkpoint names its own), or train a "
+           "base LM on this corpus (base_lm.config).")
+    tokenizer = tokenizer_settings(saved.get("tokenizer"))
+    mine = tokenizer_settings(corpus.tokenizer)
+    if tokenizer["kind"] == mine["kind"] == "hf":  # one file: its vocabulary decides, later
+        tokenizer.pop("path", None)
+        mine.pop("path", None)
+    if tokenizer != mine:
+        raise ValueError(f"The pipeline's {_ours(corpus, files, ['tokenizer'])} differs from "
+                         f"the tokenizer the base LM {ckpt} was trained with "
+                         f"({_shown(tokenizer)}, saved in the checkpoint): token ids would mean "
+                         f"other words. {fix}")
+    if mine["kind"] == "hf":  # a fixed vocabulary: another corpus is read with the same ids
+        return
+    args = [a for a in CORPUS_ARGS.values() if saved.get(a) is not None]
+    if not _same_corpus(corpus, saved["corpus"], saved.get("corpus_path"),
+                        saved.get("data_dir"), list(CORPUS_ARGS), found_only=True):
+        names = ", ".join(f"{a} = {_shown(saved[a])}" for a in args)
+        raise ValueError(f"The pipeline's {_ours(corpus, files)} names other split files than "
+                         f"the corpus the base LM {ckpt} was trained on ({names}, saved in the "
+                         f"checkpoint): its {mine['kind']} vocabulary was learned from that "
+                         f"corpus's train split, so token ids would mean other words. {fix}")
+
+
+def _split_files(name: str, path: Optional[str], data_dir: Optional[str]
+                 ) -> Optional[tuple[str, ...]]:
+    """The split files a corpus setting reads on this machine (None: not found here)."""
+    try:
+        files = locate_corpus(name, path=path, data_dir=data_dir, download=False)
+    except (FileNotFoundError, OSError):
+        return None
+    return tuple(os.path.realpath(files[split]) for split in sorted(files))
+
+
+def _same_corpus(corpus: CorpusConfig, name: str, path: Optional[str], data_dir: Optional[str],
+                 fields: list[str], found_only: bool = False) -> bool:
+    """Whether two corpus settings read the same split files; where either is not found on this
+    machine, whether the ``fields`` agree (``found_only``: then they count as the same, and the
+    vocabulary's fingerprint decides after tokenization)."""
+    ours = _split_files(corpus.name, corpus.path, corpus.data_dir)
+    other = _split_files(name, path, data_dir)
+    if ours is not None and other is not None:
+        return ours == other
+    if found_only:
+        return True
+    given = {"name": name, "path": path, "data_dir": data_dir}
+    return all(getattr(corpus, f) == given[f] for f in fields)
+
+
+def _ours(corpus: CorpusConfig, files: Sequence[str],
+          fields: Sequence[str] = ("name", "path", "data_dir")) -> str:
+    """The pipeline's corpus fields and where each was set: the last pipeline YAML that sets it
+    to this value, the command line, or the default."""
+    default = type(corpus)()
+    shown = []
+    for name in fields:
+        value = getattr(corpus, name)
+        if value is None:
+            continue
+        where = "the default" if value == getattr(default, name) else "the command line"
+        for path in files:
+            section = (merged_yaml([path]).get("corpus") or {})
+            if name in section:
+                same = (tokenizer_settings(section[name]) == tokenizer_settings(value)
+                        if name == "tokenizer" else section[name] == value)
+                where = path if same else "the command line"
+        if name == "tokenizer":
+            value = tokenizer_settings(value)
+        shown.append(f"corpus.{name} = {_shown(value)} ({where})")
+    return ", ".join(shown)
+
+
+def _shown(value: Any) -> str:
+    """A setting as a message shows it: a tokenizer as a YAML flow mapping (``{kind: word,
+    max_vocab: 2000}``), anything else as its repr."""
+    if isinstance(value, TokenizerConfig):
+        value = tokenizer_settings(value)
+    if isinstance(value, dict):
+        return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return repr(value)
+
+
+def _check_head(cfg: PipelineConfig, row: str, paths: list[str], merged: dict) -> None:
+    data = merged.get("data") or {}
+    args: dict[str, Any] = data.get("init_args") or {}
+    reads_neighbors = (data.get("class_path", "").endswith(("GraphDataModule",
+                                                           "RetrievalWindowsDataModule",
+                                                           "SpalmDataModule"))
+                       or int(args.get("retrieved") or 0) > 0)
+    if not reads_neighbors:
+        return
+    where = f"the {row} config ({' + '.join(paths)})"
+    _check_counts(where, args)
+    for name, expected in (("key", cfg.knn.primary), ("metric", cfg.knn.metric)):
+        if args.get(name, expected) != expected:
+            raise ValueError(f"{where} reads the neighbours of data.{name} = {args[name]!r}, but "
+                             f"the pipeline searches train neighbours for knn.keys[0] = "
+                             f"{cfg.knn.primary!r} under knn.metric = {cfg.knn.metric!r}.")
+    k = max([int((args.get("graph") or {}).get("k") or 0), int(args.get("retrieved") or 0),
+             *(int(k) for k in args.get("eval_ks") or [])])
+    if k > cfg.neighbors.K:
+        raise ValueError(f"{where} keeps k = {k} neighbours per token (graph.k, retrieved or "
+                         f"eval_ks) but neighbors.K = {cfg.neighbors.K} are stored.")
+    covered = cfg.neighbors.train_queries
+    asked = args.get("train_tokens")
+    if covered is not None and asked is not None and int(asked) > covered:
+        raise ValueError(f"{where} trains on data.train_tokens = {asked} positions but "
+                         f"only the first neighbors.train_queries = {covered} have train "
+                         f"neighbours: lower train_tokens or raise train_queries.")
+
+
+def _check_counts(where: str, args: dict) -> None:
+    """A head's counts of windows and tokens (the graph data module's ``graph.*``, ``k_schedule``,
+    ``eval_ks``, ``block_size``): the data module checks them only when it is built, after the
+    datastore and PQ stages. Values that are not integers are left to the parse of the config."""
+    graph = args.get("graph") or {}
+    counts = [("graph.k", graph.get("k"), 1, "windows retrieved per token"),
+              ("graph.left", graph.get("left"), 0, "tokens before a retrieved one"),
+              ("graph.right", graph.get("right"), 0, "tokens after a retrieved one"),
+              ("graph.ctx_window", graph.get("ctx_window"), 1, "or null for the whole block"),
+              ("block_size", args.get("block_size"), 1, "target tokens per sample")]
+    for name, value, least, meaning in counts:
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise ValueError(f"{where} sets data.init_args.{name} = {value}, but it must be >= "
+                             f"{least} ({meaning}).")
+    for name, ks in (("k_schedule", [s[-1] for s in args.get("k_schedule") or [] if s]),
+                     ("eval_ks", args.get("eval_ks") or [])):
+        if any(isinstance(k, int) and k < 1 for k in ks):
+            raise ValueError(f"{where} sets data.init_args.{name} = {args[name]}, but every k "
+                             f"(windows retrieved per token) must be >= 1.")
+
+
+def base_lm_shape(cfg: PipelineConfig) -> Optional[tuple[int, int]]:
+    """The base LM's context length and hidden size (the features' dimension), as far as they
+    are known at load without loading weights or downloading; None when they are not.
+
+    From a ``gnnlm fit`` checkpoint's saved hyper-parameters, from a Hugging Face folder's (or
+    the local Hub cache's) config.json, or, when the pipeline trains the base LM, from its
+    ``gnnlm fit`` YAMLs (the LanguageModel's defaults for what they leave out). A checkpoint
+    that is not there yet gives None: the base LM stage says what is missing."""
+    spec = cfg.base_lm.ckpt
+    if spec is None:
+        model = merged_yaml(yaml_list(cfg.base_lm.config)).get("model") or {}
+        if not str(model.get("class_path", "LanguageModel")).endswith("LanguageModel"):
+            return None
+        import inspect
+
+        from gnnlm.lit.lm import LanguageModel  # its defaults; Lightning only when asked
+
+        defaults = {name: p.default for name, p
+                    in inspect.signature(LanguageModel.__init__).parameters.items()}
+        args = {**defaults, **(model.get("init_args") or {})}
+        return _shape(args.get("context_length"), args.get("d_model"))
+    if is_hf(spec):
+        return _hf_shape(spec.removeprefix("hf:"))
+    if not Path(spec).is_file():
+        return None
+    hparams = load_checkpoint(spec).get("hyper_parameters") or {}
+    return _shape(hparams.get("context_length"), hparams.get("d_model"))
+
+
+def _shape(context: Any, hidden: Any) -> Optional[tuple[int, int]]:
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (context, hidden))
+    return (context, hidden) if ok else None
+
+
+def _hf_shape(name: str) -> Optional[tuple[int, int]]:
+    """From config.json in the folder ``name``, or in the Hub cache for a model name (never
+    downloaded here). The hidden size is the output embedding's input (OPT's
+    ``word_embed_proj_dim`` where it projects), which the features have."""
+    path = Path(name) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name, "config.json")
+        except Exception:  # not a Hub name, or no huggingface_hub
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    config = json.loads(path.read_text())
+    config = {**(config.get("text_config") or {}), **config}  # multimodal: the text model's
+
+    def first(*names: str) -> Any:
+        return next((config[n] for n in names if config.get(n) is not None), None)
+
+    return _shape(first("n_positions", "max_position_embeddings"),
+                  first("word_embed_proj_dim", "hidden_size", "n_embd", "d_model"))
+
+
+def _check_against_base_lm(cfg: PipelineConfig) -> None:
+    """The features' windows and the index factory against the base LM's shape, when it is
+    known at load (``base_lm_shape``); ``stage_features`` checks the windows again against the
+    loaded model."""
+    shape = base_lm_shape(cfg)
+    if shape is None:
+        cfg.index.check_factory(None, cfg.knn.metric)
+        return
+    limit, hidden = shape
+    fc, spec = cfg.features, cfg.base_lm.ckpt
+    lm = (f"base_lm.ckpt {spec}" if spec else
+          f"the base LM of base_lm.config ({' + '.join(yaml_list(cfg.base_lm.config))})")
+    if fc.context is not None and fc.context > limit:
+        raise ValueError(f"features.context = {fc.context} exceeds the context of {lm}, "
+                         f"{limit} tokens: lower it to at most {limit}, or leave it unset for "
+                         f"the model's own.")
+    hf_default = (spec is not None and is_hf(spec) and fc.context is None
+                  and limit > DEFAULT_CONTEXT)
+    context = fc.context or (DEFAULT_CONTEXT if hf_default else limit)
+    if fc.stride is not None and fc.stride > context:
+        source = "features.context" if fc.context else (
+            "the default features.context for a Hugging Face model" if hf_default
+            else f"the context of {lm}")
+        raise ValueError(f"features.stride = {fc.stride} exceeds {source}, {context} tokens: "
+                         f"windows would skip tokens; lower the stride to at most {context}, or "
+                         f"leave it unset for half the context.")
+    cfg.index.check_factory(hidden, cfg.knn.metric)
+
+
+def check_machine(cfg: PipelineConfig) -> None:
+    """The settings that ask this machine for a GPU: ``features.device``, ``index.device`` and
+    ``trainer.accelerator`` of every trained part the pipeline runs. Checked by the commands
+    that run those stages (``gnnlm pipeline``), not by those that read their results (a GPU
+    config is fine for ``gnnlm sweep`` on a laptop)."""
+    check_available(cfg.features.device, "features.device")
+    check_faiss_available(cfg.index.device, "index.device")
+    for chain in cfg.fit_chains():
+        trainer = merged_yaml(chain).get("trainer") or {}
+        check_accelerator(trainer.get("accelerator"),
+                          f"the `gnnlm fit` config {' + '.join(chain)}")

@@ -1,0 +1,60 @@
+"""What the pipeline's stages hand the report: ``Results``, filled in as the stages finish.
+
+Scores are per-token log p(target) by row (``gnnlm.pipeline.rows``) and split; everything else
+is what a stage recorded (its artifact's manifest), read once by the stage that built it, so the
+report reads no manifest again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass
+class KeyRetrieval:
+    """One key type's retrieval stages: the index's manifest, the neighbours' manifests by
+    split (train only for the primary key), the kNN caches' manifests by evaluation split."""
+    index: dict
+    neighbors: dict[str, dict]
+    knn_caches: dict[str, dict]
+
+
+@dataclass
+class Results:
+    """The pipeline's results, as the report reads them.
+
+    ``base_lm``: the frozen LM's identity (name, weights' fingerprint, sizes);
+    ``base_lm_manifest``: its trained model's manifest (empty when a checkpoint was given);
+    ``features``: the features' manifests by split; ``scores[row][split]``: per-token log
+    p(target) (interpolations: test only); ``hparams[row]``: what an interpolation fitted on
+    valid; ``heads[row]``: a trained head's manifest; ``pq``: the PQ codes' manifest when this
+    run's GNN-LM reads them; ``knn_recall``: R(c_t), the primary key's neighbours per test
+    token whose value is the target (Meng et al. 2022 eq. 6); ``data_checks``:
+    ``gnnlm.pipeline.data_checks.measure``'s shares; ``ablations``: the ablation stage's
+    result, if it ran."""
+    name: str
+    dataset: str
+    level: str
+    base_lm: dict
+    base_lm_manifest: dict
+    features: dict[str, dict]
+    scores: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    hparams: dict[str, dict] = field(default_factory=dict)
+    retrieval: dict[str, KeyRetrieval] = field(default_factory=dict)
+    heads: dict[str, dict] = field(default_factory=dict)
+    pq: Optional[dict] = None
+    knn_recall: Optional[np.ndarray] = None
+    data_checks: dict = field(default_factory=dict)
+    ablations: Optional[dict] = None
+
+    @property
+    def test_tokens(self) -> int:
+        """The test split's positions: every row scores each of them once."""
+        return int(self.features["test"]["n"])
+
+    def add_interpolation(self, name: str, test_logprob: np.ndarray, hparams: dict) -> None:
+        """A row fitted on valid: its test scores and what it fitted."""
+        self.scores[name] = {"test": test_logprob}
+        self.hparams[name] = hparams
