@@ -22,7 +22,7 @@ def _model(impl: str, graph: GraphConfig, seed: int = 0, dtype=torch.float32) ->
     """A GNN-LM in ``dtype`` with a random output embedding (float32, as attached always)."""
     torch.manual_seed(seed)
     model = GNNLM(vocab_size=V, feature_dim=D_MODEL, num_layers=3, heads=4, dropout=0.0,
-                  zero_init_output=False, impl=impl, graph=graph).to(dtype)
+                  zero_init_output=False, impl=impl, graph_layout=graph).to(dtype)
     g = torch.Generator().manual_seed(seed)
     model.attach_output_embedding(torch.randn(V, D_MODEL, generator=g),
                                   torch.randn(V, generator=g))
@@ -75,7 +75,7 @@ def test_the_loss_is_the_token_nll_of_the_frozen_softmax():
     # the base LM's output embedding stays out of the checkpoint: it belongs to the base LM
     assert not any(name.startswith("out_") for name in model.state_dict())
     # without zero_init_output=False the stack starts as the identity: the base LM itself
-    start = GNNLM(vocab_size=V, feature_dim=D_MODEL, graph=cfg).eval()
+    start = GNNLM(vocab_size=V, feature_dim=D_MODEL, graph_layout=cfg).eval()
     start.attach_output_embedding(*model.output_embedding())
     with torch.no_grad():
         torch.testing.assert_close(start(batch), base_lm_logits(batch["ctx"].x, model))

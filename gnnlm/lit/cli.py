@@ -50,10 +50,11 @@ class GnnlmCLI(LightningCLI):
         # module lacks the attribute or the model the argument).
         for name in ("vocab_size", "feature_dim",
                      "vocab_fingerprint",        # what the base LM's token ids mean
-                     "graph",                    # GNN-LM: the graphs' layout
                      "retrieved", "stored_k"):   # SPALM: the k the data can serve
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}",
                                   apply_on="instantiate")
+        # GNN-LM: the graphs' layout
+        parser.link_arguments("data.graph", "model.init_args.graph_layout", apply_on="instantiate")
         # heads that run the base LM take the one their datastore was built with
         parser.link_arguments("data.base_lm", "model.init_args.base_lm", apply_on="instantiate")
         parser.link_arguments("data.base_lm_fingerprint", "model.init_args.base_lm_fingerprint",

@@ -8,8 +8,8 @@ checkpoints; ``attach_output_embedding`` sets it when the module is used outside
 
 ``impl="dense"`` runs the layers on the graphs' regular layout (``gnnlm.gnn.dense``), ``"pyg"``
 by message passing over the edges (``GNNLMConv.forward``); both compute the same function with
-the same weights. The window sizes, inter edges and ctx window of that layout are ``graph``,
-the data module's, which ``gnnlm fit`` links into the model.
+the same weights. The window sizes, inter edges and ctx window of that layout are ``graph_layout``,
+the data module's ``graph``, which ``gnnlm fit`` links into the model.
 
 Evaluation blocks that name their windows by position (``ctx.retrieved``, the data module's
 ``eval_windows="once"``) are read through ``gnnlm.gnn.window_states.WindowStates``: each retrieved
@@ -44,7 +44,8 @@ class GNNLM(TokenLevelModule):
                  kind: Literal["gnnlm", "hgt"] = "gnnlm", impl: Literal["dense", "pyg"] = "dense",
                  zero_init_output: bool = True, lr: float = 5e-4, weight_decay: float = 0.01,
                  warmup_steps: int = 100, min_lr_ratio: float = 0.1,
-                 max_windows: Optional[int] = None, graph: Optional[GraphConfig] = None):
+                 max_windows: Optional[int] = None,
+                 graph_layout: Optional[GraphConfig] = None):
         """GNN-LM over the retrieval graph, read out by the base LM's frozen softmax.
 
         Args:
@@ -67,8 +68,10 @@ class GNNLM(TokenLevelModule):
             min_lr_ratio: the learning rate at the end, as a share of ``lr``.
             max_windows: the most retrieved windows whose states evaluation keeps (None: one
                 per train position; see ``gnnlm.gnn.window_states``).
-            graph: the graphs' window sizes, inter edges and ctx window (linked from the data
-                module's ``graph``; the dense path and evaluation windows need it).
+            graph_layout: the graphs' window sizes, inter edges and ctx window (linked from the
+                data module's ``graph``; the dense path and evaluation windows need it). Not
+                named ``graph``: Lightning refuses a hyper-parameter the model and the data
+                module both hold, in different forms.
         """
         super().__init__()
         if feature_dim <= 0:
@@ -81,7 +84,8 @@ class GNNLM(TokenLevelModule):
                             dropout=dropout, norm=norm, edge_aggr=edge_aggr, kind=kind,
                             zero_init_output=zero_init_output, readout=("ctx",))
         self.graph: Optional[GraphConfig] = (
-            graph if graph is None or isinstance(graph, GraphConfig) else GraphConfig(**graph))
+            graph_layout if graph_layout is None or isinstance(graph_layout, GraphConfig)
+            else GraphConfig(**graph_layout))
         self._node_features: Optional[tuple[NodeFeatures, int]] = None
         self._window_states: Optional[WindowStates] = None
 
@@ -113,8 +117,8 @@ class GNNLM(TokenLevelModule):
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
         if self.hparams.impl == "dense":
             if self.graph is None:
-                raise RuntimeError("The dense path needs the graphs' layout: pass graph (`gnnlm` "
-                                   "links the GraphDataModule's), or set model.graph.")
+                raise RuntimeError("The dense path needs the graphs' layout: pass graph_layout "
+                                   "(`gnnlm` links the GraphDataModule's), or set model.graph.")
             ctx, nbr, layout = to_dense(batch, self.graph)
             if layout.retrieved is not None:  # evaluation: each retrieved window once
                 h = self.window_states()(ctx, layout)[layout.ctx_mask]       # [n_ctx, d]

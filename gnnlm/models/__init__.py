@@ -1,5 +1,14 @@
 """Base LMs: the built-in GPT and a Hugging Face adapter, behind one interface.
 
+- ``settings``: what a config names of a base LM, checked without torch or transformers;
+- ``base``: ``BaseLM``, the interface: the ``final`` and ``att`` features, the output embedding;
+- ``gpt``: the built-in GPT, with optional Transformer-XL memory (Dai et al. 2019);
+- ``hf``: any Hugging Face causal LM, its features read by hooks at module paths;
+- this package: ``load_base_lm``, a ``gnnlm fit`` checkpoint or ``hf:<name>``, frozen;
+- ``encode``: the sliding-window protocol, every position of a split scored once;
+- ``protocols``: how each report row scored its tokens, and the left context each had;
+- ``multi_embedding``: learned W_ds, several output rows per word (Xu et al. 2023).
+
 The package imports no torch by itself: ``gnnlm.models.settings`` (what a config checks) stays
 light, and ``BaseLM``/``Features`` are read from ``gnnlm.models.base`` when first asked for.
 """

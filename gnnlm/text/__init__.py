@@ -1,0 +1,7 @@
+"""From a corpus to token streams: the first stage of the pipeline.
+
+- ``settings``: ``TokenizerConfig``, checked without the tokenizers library;
+- ``corpus``: finding a corpus (a path, ``$GNNLM_DATA/<name>``, a download);
+- ``tokens``: word, character, BPE and Hugging Face tokenizers; token streams in
+  ``<workdir>/tokens``.
+"""

@@ -1,0 +1,11 @@
+"""The work directory: artifact folders, their paths, and the runs that write them.
+
+- ``artifacts``: manifests with every file's sha256, fingerprints, atomic completion
+  (``<name>.partial`` → ``<name>``), resumable chunked builds;
+- ``layout``: ``Workdir``, the one owner of every artifact's path;
+- ``lock``: one run per work directory (``flock`` on ``<workdir>/.lock``);
+- ``checkpoints``: ``gnnlm fit`` checkpoints read as plain data, the classes they may hold;
+- ``ranks``: one job on N processes (Lightning Fabric) or in this one;
+- ``shards``: sharded resumable chunk loops, a progress file per rank;
+- ``verify``: ``gnnlm verify``, every artifact's files against its manifest.
+"""
