@@ -81,7 +81,7 @@ def _command(module: str):
     def run(args: list[str]) -> None:
         import importlib
 
-        from gnnlm.lit.cli import quiet_lightning
+        from gnnlm.utils.quiet import quiet_lightning
 
         quiet_lightning()
         importlib.import_module(module).main(args)

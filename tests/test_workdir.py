@@ -79,3 +79,16 @@ def test_a_moved_work_directory_keeps_its_recorded_paths(tmp_path):
     assert new.resolve(recorded).read_bytes() == b"weights"
     assert new.n_positions("train") == 3
     assert not old.root.exists()
+
+
+def test_a_work_directory_of_the_earlier_layout_is_refused_before_any_stage(tmp_path):
+    """Trained models were in heads/, and the features' manifests point there: the pipeline
+    refuses such a directory rather than rebuilding beside what it cannot reuse."""
+    wd = Workdir(tmp_path / "old")
+    (wd.root / "heads" / "base_lm").mkdir(parents=True)
+    with pytest.raises(ArtifactError, match=r"heads/, the layout of an earlier gnnlm \(now "
+                                            r"models/\).*give another workdir"):
+        wd.check_layout()
+    Workdir(tmp_path / "new").check_layout()            # a fresh directory
+    (wd.root / "models").mkdir()
+    wd.check_layout()                                   # both: the user has moved on

@@ -1,41 +1,16 @@
 """``gnnlm fit/validate/test/predict``: LightningCLI with the links from data modules to models,
 the progress callback every fit gets, and a ``--ckpt_path`` check. Imported only when such a
-command runs, so that ``gnnlm --help`` and the pipeline commands do not load Lightning first.
+command runs (or the pipeline trains a part), so that ``gnnlm --help`` loads no Lightning.
 """
 from __future__ import annotations
 
-import logging
-import warnings
 from argparse import ArgumentError
 
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
 
 from gnnlm.lit import LIGHTNING_COMMANDS
-
-
-class _DropLines(logging.Filter):
-    DROPPED = ("💡 Tip",                           # promotional tips
-               "`weights_only` was not set")       # said when saving the full training state,
-                                                   # which is meant; loading is weights-only
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).startswith(self.DROPPED)
-
-
-def quiet_lightning() -> None:
-    """Silence Lightning's promotional tips and the messages that are not true here."""
-    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
-                 "pytorch_lightning.trainer.connectors.checkpoint_connector"):
-        logging.getLogger(name).addFilter(_DropLines())
-    for message in (
-            ".*tensorboardX.*",                     # the CSV logger is the intended default
-            ".*sync_dist=True.*",                   # epoch metrics are reduced over ranks already
-            ".*LightningCLI's args parameter.*",    # the pipeline runs the CLI from Python
-            ".*isinstance\\(treespec, LeafSpec\\).*",
-            ".*does not have many workers.*",       # two cores: loading in-process is intended
-            ".*The number of training batches.*log_every_n_steps.*"):
-        warnings.filterwarnings("ignore", message=message)
+from gnnlm.utils.quiet import quiet_lightning
 
 
 class GnnlmCLI(LightningCLI):

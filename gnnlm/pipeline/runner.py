@@ -178,7 +178,8 @@ def instantiate_fit(workdir: Workdir, name: str, configs: list[str],
     """``gnnlm fit -c configs[0] … [overrides]`` built but not run (LightningCLI ``run=False``):
     the runner validates before training and passes the checkpoint to resume from to
     ``trainer.fit``."""
-    from gnnlm.lit.cli import GnnlmCLI, quiet_lightning
+    from gnnlm.lit.cli import GnnlmCLI
+    from gnnlm.utils.quiet import quiet_lightning
 
     quiet_lightning()
     return GnnlmCLI(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
@@ -501,7 +502,8 @@ def check_fit_config(configs: list[str]) -> None:
     import contextlib
     import io
 
-    from gnnlm.lit.cli import GnnlmCLI, quiet_lightning
+    from gnnlm.lit.cli import GnnlmCLI
+    from gnnlm.utils.quiet import quiet_lightning
 
     class ParseOnly(GnnlmCLI):
         def before_instantiate_classes(self) -> None:

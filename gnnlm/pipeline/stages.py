@@ -256,6 +256,7 @@ def run(cfg: PipelineConfig) -> dict:
     from gnnlm.pipeline.report import write_report
 
     workdir = Workdir(cfg.workdir)
+    workdir.check_layout()
     for chain in cfg.fit_chains():  # every trained part's config parses, before any work
         check_fit_config(chain)
     workdir.root.mkdir(parents=True, exist_ok=True)

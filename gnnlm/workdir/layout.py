@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gnnlm.workdir.artifacts import read_manifest
+from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 
 SPLITS = ("train", "valid", "test")
 EVAL_SPLITS = ("valid", "test")
@@ -88,6 +88,15 @@ class Workdir:
 
     def report(self, name: str) -> Path:
         return self.root / "reports" / name
+
+    def check_layout(self) -> None:
+        """Refuse a work directory of the earlier layout, whose trained models are in
+        ``heads/``: its features record their base LM there, so nothing in it can be reused."""
+        if (self.root / "heads").is_dir() and not (self.root / "models").exists():
+            raise ArtifactError(
+                f"{self.root} keeps its trained models in heads/, the layout of an earlier "
+                f"gnnlm (now models/), and its manifests point there: give another workdir, or "
+                f"move this one aside, and the pipeline builds every stage again.")
 
     # -- what the manifests say --------------------------------------------------------------
     def features_manifest(self, split: str) -> dict:
