@@ -4,7 +4,7 @@ Each becomes an artifact ``workdir.model(name)`` holding ``model.ckpt`` and, for
 per-token log-probabilities of the valid and test targets (``<split>_logprob``), so that every
 row of the report scores exactly the same tokens, and any other per-token value the model's
 predict gives (SPALM: ``<split>_gate``, the gate's mean over its d dimensions). This is the one
-module of the library that imports the Lightning glue (``gnnlm.lit``, ``datamodules``).
+module of the library that runs the Lightning glue (``gnnlm.lit``, ``datamodules``).
 """
 from __future__ import annotations
 
