@@ -78,14 +78,54 @@ def run_gnnlm(args: list[str], cwd: Path, timeout: int = 2700) -> subprocess.Com
     return result
 
 
+# a wheel the table script installs from its wheel folder, as it installs faiss on a GPU machine
+PROBE_WHEEL = "gnnlm_table_probe"
+
+
+def write_probe_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel (PEP 427: the package, METADATA, WHEEL, RECORD)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{PROBE_WHEEL}-1.0.dist-info"
+    files = {f"{PROBE_WHEEL}/__init__.py": "VERSION = '1.0'\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {PROBE_WHEEL}\nVersion: 1.0\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(
+            b"=").decode()
+
+    record = [f"{name},sha256={digest(text)},{len(text.encode())}"
+              for name, text in files.items()] + [f"{dist}/RECORD,,"]
+    files[f"{dist}/RECORD"] = "\n".join(record) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{PROBE_WHEEL}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return wheel
+
+
 @pytest.fixture(scope="session")
 def run_dir(wikitext_root, tmp_path_factory) -> Path:
-    """The test pipeline once per session, in a fresh folder. It takes about 5 minutes on two
-    idle cores; the timeout leaves room for a machine loaded several times over."""
+    """The test pipeline once per session, in a fresh folder, through ``scripts/gpu_table.sh``
+    (the one-command table) with the test overlays: its wheel folder holds a probe wheel, its
+    output goes to ``table/``. It takes about 5 minutes on two idle cores; the timeout leaves
+    room for a machine loaded several times over."""
     cwd = tmp_path_factory.mktemp("pipeline")
     (cwd / "configs").symlink_to(REPO / "configs")
     os.environ["GNNLM_DATA"] = str(wikitext_root)
-    run_gnnlm(["pipeline", *PIPELINE], cwd)
+    write_probe_wheel(cwd / "wheels")
+    env = {**os.environ, "PYTHON": sys.executable, "GNNLM_WHEELS": str(cwd / "wheels"),
+           "GNNLM_SITE": str(cwd / "site")}
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_table.sh"), "table",
+                             *PIPELINE[2:]], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=2700)
+    if result.returncode != 0:
+        raise AssertionError(f"scripts/gpu_table.sh failed:\n{result.stdout[-6000:]}\n"
+                             f"{result.stderr[-3000:]}")
     return cwd
 
 

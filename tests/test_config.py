@@ -28,6 +28,7 @@ def test_overlays_merge_key_by_key():
     ("--knn.k=1000", r"k = 1000 neighbours but neighbors.K = 128 are stored"),
     ("--knn.metric=dot", r"metric must be one of \('cos', 'ip', 'l2'\) \(got 'dot'\)"),
     ("--neighbors.K=0", r"neighbors.K must be >= 1 \(got 0\)"),
+    ("--copy_report_to=README.md", r"copy_report_to = README.md is a file: name a folder"),
 ])
 def test_bad_settings_are_refused_at_load(flag, message):
     with pytest.raises((ValueError, SystemExit)) as info:

@@ -154,7 +154,7 @@ def test_explain_on_an_unbuilt_work_directory_names_the_pipeline_and_creates_not
 
 
 SECTIONS = ["name", "workdir", "base_lm", "corpus", "features", "index", "neighbors", "knn", "pq",
-            *HEAD_FIELDS, "ablations", "rebuild"]
+            *HEAD_FIELDS, "ablations", "rebuild", "copy_report_to"]
 
 
 def help_of(args, capsys) -> list[str]:

@@ -1,6 +1,7 @@
 """Integration on a WikiText-2 slice: ``gnnlm pipeline -c configs/tests/pipeline.yaml`` once,
-then real outcomes — every row scores the same tokens, kNN-LM beats the base LM, GNN+kNN beats
-kNN-LM, SPALM and the learned W_ds help, no train neighbour leaks — and the bad-input errors."""
+through ``scripts/gpu_table.sh`` (the one-command table), then real outcomes — every row scores
+the same tokens, kNN-LM beats the base LM, GNN+kNN beats kNN-LM, SPALM and the learned W_ds
+help, no train neighbour leaks — and the bad-input errors."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import PIPELINE, run_gnnlm
+from conftest import PIPELINE, PROBE_WHEEL, run_gnnlm
 
 from gnnlm.models import load_base_lm
 from gnnlm.models.protocols import layout
@@ -36,6 +37,46 @@ def test_results_json_has_the_promised_fields(results):
     buckets = results["knn_recall_buckets"]
     assert 2 <= len(buckets) <= 5 and sum(b["tokens"] for b in buckets) == results["tokens"]
     assert all(a["recall_range"][1] < b["recall_range"][0] for a, b in zip(buckets, buckets[1:]))
+
+
+def test_the_table_script_leaves_the_report_the_machine_and_every_stage_s_time(run_dir, results):
+    """``scripts/gpu_table.sh table -c <test overlays>``: the carried wheel installed in its own
+    folder, the report copied whole, the machine and versions, this run's time of each stage."""
+    import pytorch_lightning
+    import torch_geometric
+
+    from gnnlm.utils.environment import one_line
+
+    assert (run_dir / "site" / PROBE_WHEEL / "__init__.py").is_file()
+    table = run_dir / "table"
+    copied = json.loads((table / "results.json").read_text())
+    assert copied["ppl"] == results["ppl"] and copied["timing_s"] == results["timing_s"]
+    assert (table / "results.md").read_text().startswith("# tests: wikitext-2")
+    assert (table / "test_logprobs.npz").stat().st_size > 0
+    assert list(table.glob("*_gate_hist.png"))  # the SPALM rows' plots
+    env = copied["environment"]
+    assert env["device"] == "cpu" and env["gpus"] == 0 and env["cuda"] is None
+    assert (env["torch"], env["torch_geometric"], env["pytorch_lightning"]) == (
+        torch.__version__, torch_geometric.__version__, pytorch_lightning.__version__)
+    assert (table / "environment.txt").read_text().strip() == one_line(env)
+    assert f"Report written on: {one_line(env)}." in (table / "results.md").read_text()
+    # the heads' scoring is timed apart from their training
+    assert copied["timing_s"]["gnn scoring"] > 0 and copied["timing_s"]["spalm scoring"] > 0
+    times = json.loads((table / "stage_times.json").read_text())
+    stages = [s["stage"] for s in times["stages"]]
+    assert stages[:2] == ["base_lm", "features"] and stages[-1] == "report"
+    assert {"index[final]", "neighbors[final]", "knn_cache[final]", "knn_fit[final]",
+            "index[att]", "knn_fit[att]", "gnn", "spalm", "spalm_xl", "learned_wds",
+            "interpolations", "ablations", "data_checks"} <= set(stages)
+    assert len(stages) == len(set(stages)) and times["environment"] == env
+    # built from nothing: each trained stage's time here is at least its training time
+    seconds = {s["stage"]: s["seconds"] for s in times["stages"]}
+    for row in ("gnn", "spalm"):
+        build = copied["timing_s"][row] + copied["timing_s"][f"{row} scoring"]
+        assert seconds[row] >= build - 0.05  # (each is rounded to 0.01 s)
+    assert sum(seconds.values()) <= times["total_seconds"]
+    log = (table / "pipeline.log").read_text()
+    assert "+GNN+kNN" in log and "[gnnlm] stage report:" in log
 
 
 def test_results_record_unknown_tokens_and_the_overlap_with_the_datastore(results, workdir):

@@ -5,6 +5,7 @@
 - ``config_checks``: the checks at load that span several files, and the machine's;
 - ``config_help``: the short ``--help`` and ``--help=SECTION``;
 - ``stages``: every stage in order, each skipped when its artifact is complete;
+- ``stage_times``: the wall time of each stage of a run (``stage_times.json``);
 - ``runner``: the trained parts (base LM and heads) through LightningCLI;
 - ``data_checks``: unknown tokens, near-copies of valid/test in the datastore, worse heads;
 - ``ablations``: Xu et al. (2023)'s kNN-LM ablations, one table;

@@ -286,6 +286,11 @@ class AblationConfig:
     device: str = "auto"
     memory_lm: Union[str, list[str], None] = None
 
+    @property
+    def wanted(self) -> bool:
+        """Whether the stage has anything to build: the table, the memory rows, or both."""
+        return self.enabled or bool(self.memory_lm)
+
     def __post_init__(self):
         check_device(self.device)
         if any(not 0 < f <= 1 for f in self.subsample):
@@ -317,6 +322,7 @@ class PipelineConfig:
         learned_wds: learned W_ds heads (Xu et al.): one list of `gnnlm fit` YAMLs per row
         ablations: the Xu et al. ablation table (off unless `enabled`)
         rebuild: stages to build again although complete, e.g. [index,neighbors] (true: all)
+        copy_report_to: a folder to copy reports/<name>/ into when the run ends (made if absent)
     """
     name: str = "wikitext2"
     workdir: str = "runs/wikitext2"
@@ -340,6 +346,7 @@ class PipelineConfig:
     learned_wds: LearnedWdsConfig = field(default_factory=LearnedWdsConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
     rebuild: Union[bool, list[str]] = False
+    copy_report_to: Optional[str] = None
 
     def rebuilds(self, stage: str) -> bool:
         """Whether ``--rebuild`` names this stage (``true`` or ``all``: every stage). A head's

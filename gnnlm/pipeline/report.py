@@ -27,6 +27,7 @@ from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.retrieval.tuning import measured_recall
 from gnnlm.spalm.analysis import markdown as spalm_markdown
 from gnnlm.spalm.analysis import results_section as spalm_section
+from gnnlm.utils import environment
 from gnnlm.utils.metrics import ppl_from_logprobs
 from gnnlm.workdir.artifacts import write_json_atomic
 from gnnlm.workdir.layout import Workdir
@@ -72,6 +73,8 @@ def _stage_seconds(results: Results) -> dict:
         timing["pq"] = results.pq.get("seconds", 0)
     for name, manifest in results.heads.items():
         timing[name] = manifest.get("train_seconds", 0.0)
+        if "predict_seconds" in manifest:  # scoring valid and test (and the eval-k curve)
+            timing[f"{name} scoring"] = manifest["predict_seconds"]
     return {k: round(float(v), 2) for k, v in timing.items()}
 
 
@@ -259,7 +262,10 @@ def _markdown(results: dict) -> str:
             f"{name.replace('_', ' ')} {value:.4f}" for name, value in
             results["gnn_leakage"].items()))
     lines += ["", "Stage build times (s): " + ", ".join(f"{k} {v}" for k, v in
-                                                         results["timing_s"].items()), ""]
+                                                         results["timing_s"].items())]
+    if results.get("environment"):
+        lines += ["", f"Report written on: {environment.one_line(results['environment'])}."]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -318,6 +324,8 @@ def write_report(workdir: Workdir, results: Results) -> dict:
             raise RuntimeError(f"{name} scored {len(per_split['test'])} test tokens, not {test_n}.")
     report = _tables(results)
     report["timing_s"] = _stage_seconds(results)
+    if results.environment is not None:
+        report["environment"] = results.environment
     report.update(results.data_checks)
     report["warnings"] = _warnings(report, results.heads)
     if results.level == "char":

@@ -33,7 +33,8 @@ class Results:
     run's GNN-LM reads them; ``knn_recall``: R(c_t), the primary key's neighbours per test
     token whose value is the target (Meng et al. 2022 eq. 6); ``data_checks``:
     ``gnnlm.pipeline.data_checks.measure``'s shares; ``ablations``: the ablation stage's
-    result, if it ran."""
+    result, if it ran; ``environment``: the machine and versions the report is written on
+    (``gnnlm.utils.environment.describe``)."""
     name: str
     dataset: str
     level: str
@@ -48,6 +49,7 @@ class Results:
     knn_recall: Optional[np.ndarray] = None
     data_checks: dict = field(default_factory=dict)
     ablations: Optional[dict] = None
+    environment: Optional[dict] = None
 
     @property
     def test_tokens(self) -> int:

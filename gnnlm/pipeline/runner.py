@@ -137,6 +137,7 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
             extra["valid_before_training"] = {start["metric"]: start["score"]}
             extra["kept_initial_weights"] = kept is not None
         if predict:  # heads: per-token scores on exactly the report's tokens
+            t_scoring = time.perf_counter()
             scores: dict[str, dict[str, np.ndarray]] = {}
             if (cli.datamodule.hparams.get("eval_ks") or None) is not None:
                 extra["eval_k"], valid = choose_eval_k(
@@ -155,6 +156,7 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
                     if name in scores[split]:
                         values = scores[split][name]
                         builder.array(f"{split}_{name}", np.float32, values.shape)[...] = values
+            extra["predict_seconds"] = round(time.perf_counter() - t_scoring, 2)
             extra.update(predict_extras(cli.model))
             extra["protocol"] = scoring_protocol(cli.model, cli.datamodule, workdir)
         builder.file(INITIAL_WEIGHTS).unlink(missing_ok=True)

@@ -25,12 +25,14 @@ from gnnlm.pipeline.ablations import ABLATIONS_VERSION, neighbours_label, outdat
 from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, merged_yaml, yaml_list
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
+from gnnlm.pipeline.stage_times import StageTimes, timed
 from gnnlm.retrieval.features import build_all_features
 from gnnlm.retrieval.index import build_index
 from gnnlm.retrieval.knn import fit_and_score, fit_lambda, interpolate
 from gnnlm.retrieval.knn_cache import build_knn_cache, open_knn_cache, search_facts
 from gnnlm.retrieval.neighbors import build_neighbors
 from gnnlm.text.tokens import HFTokenizer, TokenizerConfig, TokenStore, build_tokens
+from gnnlm.utils import environment
 from gnnlm.utils.metrics import check_finite
 from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
 from gnnlm.workdir.checkpoints import datamodule_args
@@ -172,15 +174,18 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
     # + 1 wide for the train queries masked for leakage (``gnnlm.retrieval.neighbors``)
     K = cfg.neighbors.K
     width = K + leakage_window + 1 if key == cfg.knn.primary and leakage_window else K
-    index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuilds("index"),
-                        search_k=K, search_width=width)
-    neighbors = {split: build_neighbors(workdir, split, key, metric, cfg.neighbors,
-                                        leakage_window=leakage_window,
-                                        rebuild=cfg.rebuilds("neighbors"))
-                 for split in (SPLITS if key == cfg.knn.primary else EVAL_SPLITS)}
-    caches = {split: build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
-                                     rebuild=cfg.rebuilds("knn_cache"))
-              for split in EVAL_SPLITS}
+    with timed(f"index[{key}]"):
+        index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuilds("index"),
+                            search_k=K, search_width=width)
+    with timed(f"neighbors[{key}]"):
+        neighbors = {split: build_neighbors(workdir, split, key, metric, cfg.neighbors,
+                                            leakage_window=leakage_window,
+                                            rebuild=cfg.rebuilds("neighbors"))
+                     for split in (SPLITS if key == cfg.knn.primary else EVAL_SPLITS)}
+    with timed(f"knn_cache[{key}]"):
+        caches = {split: build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
+                                         rebuild=cfg.rebuilds("knn_cache"))
+                  for split in EVAL_SPLITS}
     return KeyRetrieval(index=index, neighbors=neighbors, knn_caches=caches)
 
 
@@ -215,9 +220,11 @@ def stage_heads(cfg: PipelineConfig, workdir: Workdir) -> tuple[dict[str, dict],
     for row, configs in cfg.heads().items():
         data = (merged_yaml(configs).get("data") or {}).get("init_args") or {}
         if row == rows.GNN and data.get("node_features", "pq") == "pq":
-            pq = build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
-        heads[row] = fit_with_cli(workdir, rows.model_folder(row), configs, head_inputs(workdir),
-                                  rebuild=cfg.rebuilds(row))
+            with timed("pq"):
+                pq = build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
+        with timed(row):  # training and scoring (the manifest has each: train/predict_seconds)
+            heads[row] = fit_with_cli(workdir, rows.model_folder(row), configs,
+                                      head_inputs(workdir), rebuild=cfg.rebuilds(row))
     return heads, pq
 
 
@@ -225,7 +232,7 @@ def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict[str, 
                     ) -> Optional[dict]:
     """The Xu et al. table and, with ``ablations.memory_lm``, Transformer-XL memory on/off."""
     stage = cfg.ablations
-    if not stage.enabled and not stage.memory_lm:
+    if not stage.wanted:
         return None
     inputs = {key: r.knn_caches["test"]["fingerprint"] for key, r in retrieval.items()}
     if stage.memory_lm:
@@ -252,17 +259,32 @@ def stage_ablations(cfg: PipelineConfig, workdir: Workdir, retrieval: dict[str, 
 
 
 def run(cfg: PipelineConfig) -> dict:
-    """Run every stage; return the results dict also written to ``reports/<name>/``."""
-    from gnnlm.pipeline.report import write_report
-
+    """Run every stage; return the results dict also written to ``reports/<name>/``, beside
+    ``stage_times.json`` (this run's wall time of each stage); with ``copy_report_to``, copy
+    that folder there too."""
     workdir = Workdir(cfg.workdir)
     workdir.check_layout()
     for chain in cfg.fit_chains():  # every trained part's config parses, before any work
         check_fit_config(chain)
     workdir.root.mkdir(parents=True, exist_ok=True)
     _lock = lock_workdir(workdir.root, "pipeline")  # one run per work directory, until we return
-    model, store, base_manifest, location = stage_base_lm(cfg, workdir)
-    features = stage_features(cfg, model, store, workdir, location)
+    times = StageTimes()
+    with times.running():
+        report = run_stages(cfg, workdir)
+    times.write(workdir.report(cfg.name), report["environment"])
+    if cfg.copy_report_to:
+        shutil.copytree(workdir.report(cfg.name), cfg.copy_report_to, dirs_exist_ok=True)
+    return report
+
+
+def run_stages(cfg: PipelineConfig, workdir: Workdir) -> dict:
+    """Every stage in order, each timed (``stage_times.timed``); returns the report's dict."""
+    from gnnlm.pipeline.report import write_report
+
+    with timed("base_lm"):
+        model, store, base_manifest, location = stage_base_lm(cfg, workdir)
+    with timed("features"):
+        features = stage_features(cfg, model, store, workdir, location)
     results = Results(name=cfg.name, dataset=store.manifest["config"]["corpus"],
                       level=store.level, base_lm=model.identity(),
                       base_lm_manifest=base_manifest, features=features)
@@ -272,15 +294,22 @@ def run(cfg: PipelineConfig) -> dict:
     for name, manifest in results.heads.items():
         results.scores[name] = {s: head_logprobs(workdir, manifest["config"]["name"], s)
                                 for s in EVAL_SPLITS}
-    score_head_interpolations(cfg, workdir, results)
+    with timed("interpolations"):
+        score_head_interpolations(cfg, workdir, results)
     for name, row in results.scores.items():  # the report's perplexities are never inf or nan
         for s, values in row.items():
             check_finite(values, f"the {name} row's {s} log p(target)",
                          f"that token gets probability 0 or NaN (λ = 1 leaves the LM no share "
                          f"of it); check the row's inputs with `gnnlm verify {workdir.root}`.")
-    results.ablations = stage_ablations(cfg, workdir, results.retrieval)
-    results.data_checks = data_checks.measure(workdir, cfg.knn.primary, cfg.knn.metric, store)
-    return write_report(workdir, results)
+    if cfg.ablations.wanted:
+        with timed("ablations"):
+            results.ablations = stage_ablations(cfg, workdir, results.retrieval)
+    with timed("data_checks"):
+        results.data_checks = data_checks.measure(workdir, cfg.knn.primary, cfg.knn.metric,
+                                                  store)
+    results.environment = environment.describe()  # after the stages: CUDA has started
+    with timed("report"):
+        return write_report(workdir, results)
 
 
 def base_scores(workdir: Workdir) -> dict[str, np.ndarray]:
@@ -300,8 +329,9 @@ def score_knn_rows(cfg: PipelineConfig, workdir: Workdir, results: Results) -> N
                       else results.features["train"]["config"]["context"])  # 0: no masking
     for key in cfg.knn.keys:
         retrieval = results.retrieval[key] = stage_retrieval(cfg, workdir, key, leakage_window)
-        caches = knn_caches(cfg, workdir, key)
-        result = fit_and_score(caches["valid"], caches["test"], *cfg.knn.grid())
+        with timed(f"knn_fit[{key}]"):  # (k, T, λ) on valid, test scored
+            caches = knn_caches(cfg, workdir, key)
+            result = fit_and_score(caches["valid"], caches["test"], *cfg.knn.grid())
         results.add_interpolation(rows.knn_row(key, cfg.knn.primary), result.pop("test_logprob"),
                                   {**result, "similarity": cfg.knn.metric, "key": key,
                                    **search_label(workdir, retrieval)})
