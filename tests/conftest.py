@@ -88,15 +88,15 @@ def write_probe_wheel(folder: Path) -> Path:
     import hashlib
     import zipfile
 
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(
+            b"=").decode()
+
     dist = f"{PROBE_WHEEL}-1.0.dist-info"
     files = {f"{PROBE_WHEEL}/__init__.py": "VERSION = '1.0'\n",
              f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {PROBE_WHEEL}\nVersion: 1.0\n",
              f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
                               "Tag: py3-none-any\n"}
-    def digest(text: str) -> str:
-        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(
-            b"=").decode()
-
     record = [f"{name},sha256={digest(text)},{len(text.encode())}"
               for name, text in files.items()] + [f"{dist}/RECORD,,"]
     files[f"{dist}/RECORD"] = "\n".join(record) + "\n"

@@ -2,7 +2,7 @@
 
 ``results.json``'s ``timing_s`` holds what each artifact's build took, whenever it was built, and
 so stays the same on a rerun; this file is the run itself: every stage it went through, built or
-found complete (then it takes about a second), scoring included, and the machine it ran on.
+found complete (then it only checks its files), scoring included, and the machine it ran on.
 
     times = StageTimes()
     with times.running():          # stages timed inside are recorded here
