@@ -13,7 +13,6 @@ ordered token list's hash) is what the ids mean: the LM records it in its checkp
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
@@ -25,6 +24,7 @@ from datamodules.sampling import eval_sampler
 from gnnlm.models import protocols
 from gnnlm.models.encode import open_with_bos, sliding_windows, stream_tensor
 from gnnlm.models.protocols import Protocol
+from gnnlm.models.segments import StreamSegments
 from gnnlm.text.tokens import TokenizerConfig, TokenStore, build_tokens
 from gnnlm.workdir.layout import Workdir
 
@@ -79,36 +79,6 @@ class SlidingWindows(Dataset):
         inputs = chunk[:-1] if self.bos_id is None else open_with_bos(chunk[:-1], self.bos_id)
         return {"input": inputs, "target": chunk[1:], "mask": mask,
                 "positions": torch.arange(s, s + self.context)}
-
-
-class StreamSegments(Dataset):
-    """The split cut into ``n_streams`` contiguous streams, served segment by segment.
-
-    Item ``j * n_streams + s`` is segment j of stream s: with ``batch_size = n_streams`` (or
-    ``n_streams / world_size`` under a rank-strided sampler) batch j holds segment j of the same
-    streams as batch j - 1, which is what Transformer-XL memory needs. Padding is masked out.
-    """
-
-    def __init__(self, stream: torch.Tensor, n_streams: int, segment: int):
-        n = len(stream) - 1
-        self.length = math.ceil(n / n_streams)                    # positions per stream
-        self.n_segments = math.ceil(self.length / segment)
-        self.n_streams, self.segment, self.n = n_streams, segment, n
-        padded = torch.zeros(n_streams * self.n_segments * segment + 1, dtype=stream.dtype)
-        padded[: len(stream)] = stream
-        self.padded = padded
-
-    def __len__(self) -> int:
-        return self.n_streams * self.n_segments
-
-    def __getitem__(self, i: int) -> dict:
-        seg, s = divmod(i, self.n_streams)
-        begin = s * self.length + seg * self.segment
-        end = min(begin + self.segment, (s + 1) * self.length, self.n)  # stream and split ends
-        chunk = self.padded[begin: begin + self.segment + 1]
-        mask = torch.zeros(self.segment)
-        mask[: max(0, end - begin)] = 1.0
-        return {"input": chunk[:-1], "target": chunk[1:], "mask": mask}
 
 
 class LMDataModule(pl.LightningDataModule):

@@ -9,7 +9,7 @@ for leakage when they were built). Train uses the prefix of train positions that
 neighbours (or ``train_tokens`` of it); valid/test use every position.
 
 Each split is cut into S contiguous streams served segment by segment
-(``datamodules.lm.StreamSegments``): batch j holds segment j of the same streams as batch
+(``gnnlm.models.segments.StreamSegments``): batch j holds segment j of the same streams as batch
 j - 1, so a model's memory flows from one batch to the next, and every position of a split is
 scored exactly once (padding is masked). This is how Transformer-XL is evaluated; a model
 without memory reads each segment alone. Every stream starts cold, so the scores depend on S:
@@ -25,17 +25,17 @@ from torch.utils.data import DataLoader
 
 from datamodules.base import WorkdirDataModule
 from datamodules.features import NeighborValues
-from datamodules.lm import StreamSegments
 from datamodules.sampling import eval_sampler
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
+from gnnlm.models.segments import StreamSegments
 from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import SPLITS
 
 
 class SegmentsWithValues(StreamSegments):
-    """``StreamSegments`` items plus ``positions [T]`` (split positions, -1 on padding) and,
-    with ``values``, ``nbr_values [T, k]`` (-1 = none or padding)."""
+    """``StreamSegments`` items plus, with ``values``, ``nbr_values [T, k]`` (-1 = none or
+    padding)."""
 
     def __init__(self, stream: torch.Tensor, n_streams: int, segment: int,
                  values: Optional[NeighborValues] = None):
@@ -44,12 +44,8 @@ class SegmentsWithValues(StreamSegments):
 
     def __getitem__(self, i: int) -> dict:
         item = super().__getitem__(i)
-        seg, s = divmod(i, self.n_streams)
-        begin = s * self.length + seg * self.segment
-        scored = item["mask"].bool()
-        positions = torch.full((self.segment,), -1, dtype=torch.int64)
-        positions[scored] = begin + torch.arange(self.segment)[scored]
-        item["positions"] = positions
+        positions = item["positions"]
+        scored = positions >= 0
         if self.values is not None:
             values = torch.full((self.segment, self.values.k), -1, dtype=torch.int64)
             if scored.any():

@@ -4,6 +4,8 @@
     gnnlm pipeline -c configs/wikitext2/pipeline.yaml -c configs/wikitext2/pipeline_cpu.yaml
     gnnlm sweep    -c ... (the same pipeline configs)
     gnnlm explain  -c ... --text "In 2000 Boulter had a guest @-@"
+    gnnlm score    runs/wikitext2-cpu --file my.txt
+    gnnlm generate runs/wikitext2-cpu --prompt "The game was" --row gnn+knn
 
 A failure prints one line, ``gnnlm <command>: error: <what was wrong and what to do>``, and
 exits with status 2; ``--debug`` (anywhere on the command line) shows the traceback instead.
@@ -28,6 +30,11 @@ commands:
   explain    the train contexts a text retrieves: prints them, writes nothing
   verify     gnnlm verify WORKDIR: every artifact's files against its manifest (sizes, sha256);
              one line per artifact, a summary, exit status 2 naming each bad file
+  score      gnnlm score WORKDIR --text TEXT | --file FILE [--rows ROW ...] [--json]: any
+             text's perplexity under each row of a built work directory; writes nothing
+  generate   gnnlm generate WORKDIR --prompt TEXT --row ROW [--max_new_tokens N] [--greedy |
+             --temperature T --top_k K --top_p P] [--seed S] [--show-retrieval]: a
+             continuation with retrieval; writes nothing
   fit        train a model (LightningCLI): a base LM, or a head on a pipeline's work directory;
              writes checkpoints and logs under trainer.default_root_dir
   validate, test, predict
@@ -76,7 +83,7 @@ def check_command_line(command: str, words: list[str]) -> None:
             config_text(path)
 
 
-def _command(module: str):
+def _command(module: str, function: str = "main"):
     """A command whose module is imported only when it runs (keeps ``gnnlm --help`` fast)."""
     def run(args: list[str]) -> None:
         import importlib
@@ -84,15 +91,17 @@ def _command(module: str):
         from gnnlm.utils.quiet import quiet_lightning
 
         quiet_lightning()
-        importlib.import_module(module).main(args)
+        getattr(importlib.import_module(module), function)(args)
     return run
 
 
 # commands besides LightningCLI's fit/validate/test/predict
 COMMANDS = {"pipeline": _command("gnnlm.pipeline.stages"),
             "sweep": _command("gnnlm.pipeline.sweep"),
-            "explain": _command("gnnlm.pipeline.explain"),
-            "verify": _command("gnnlm.workdir.verify")}
+            "explain": _command("gnnlm.inference.explain"),
+            "verify": _command("gnnlm.workdir.verify"),
+            "score": _command("gnnlm.inference.commands", "score_main"),
+            "generate": _command("gnnlm.inference.commands", "generate_main")}
 
 
 def error_line(err: BaseException) -> str:

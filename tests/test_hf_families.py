@@ -1,7 +1,9 @@
 """Hugging Face base LMs of the families people use, on tiny random-weight models built locally
 (tests/families.py): features at the papers' definitions, the model's own log-probabilities,
 each family's BOS, loading precision and placement, and the pipeline end to end on a
-WikiText-2 slice."""
+WikiText-2 slice, then generation from its work directory: incremental decoding through the
+model's own cache equals each prefix from scratch, and Hugging Face ``generate()`` with
+``KNNLogitsProcessor`` picks the tokens gnnlm's kNN-LM picks."""
 from __future__ import annotations
 
 import json
@@ -222,6 +224,40 @@ def test_the_pipeline_runs_end_to_end_on_each_family(name, bpe, corpus_slice, tm
     assert manifest["base_lm"]["keys"] == KEY_PATHS[name]
     assert manifest["vocab_size"] == bpe.get_vocab_size() + family.pad_vocab
     assert_log_probabilities_are_the_model_s_own(work, manifest, folder, family)
+    assert_generation_is_gnnlm_s_from_scratch_and_hugging_face_s(work, folder, name)
+
+
+def assert_generation_is_gnnlm_s_from_scratch_and_hugging_face_s(work, folder, name):
+    """Past the window of 64 tokens (it slides, BOS first where the family reads one), each
+    step of incremental decoding (the model's own key/value cache) against the prefix from
+    scratch, for kNN-LM and GNN-LM; then greedy ``model.generate`` with the kNN processor, and
+    without it, against ``lm.generate`` of the knn and base rows."""
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    import gnnlm
+
+    lm = gnnlm.load(work)
+    prompt = lm.encode(" ".join(["The game was released in Japan ."] * 9), prompt=True)[:56]
+    for row in ("knn", "gnn+knn") if name in GNN_FAMILIES else ("knn",):
+        out = lm.generate(prompt, row, 16, greedy=True, keep_distributions=True)
+        for step in (0, 7, 15):
+            scratch = lm.next_token_logprobs(np.concatenate([prompt, out.ids[:step]]), row)
+            torch.testing.assert_close(out.distributions[step], scratch, atol=1e-5, rtol=0)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    knn = gnnlm.KNNLogitsProcessor.from_workdir(work, model)
+    short = prompt[:12]
+    stream = torch.tensor([[lm.bos_id, *short]])
+    # every input token is read (the BOS too, which generate would take for padding)
+    settings = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": lm.bos_id,
+                "attention_mask": torch.ones_like(stream)}
+    with torch.no_grad():
+        theirs = model.generate(stream, logits_processor=LogitsProcessorList([knn]), **settings)
+        assert theirs[0, stream.shape[1]:].tolist() == lm.generate(
+            short, "knn", 10, greedy=True).ids.tolist()
+        knn.close()
+        plain = model.generate(stream, **settings)
+    assert plain[0, stream.shape[1]:].tolist() == lm.generate(short, "base", 10,
+                                                              greedy=True).ids.tolist()
 
 
 def assert_log_probabilities_are_the_model_s_own(work, manifest, folder, family):

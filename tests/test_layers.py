@@ -1,7 +1,8 @@
 """The package's imports only go down, and none closes a cycle.
 
 From the bottom: utils < workdir < text < models < retrieval < gnn < spalm < lit < datamodules <
-pipeline < cli. A module may import its own package and the packages below it, never one above.
+pipeline < inference < cli. A module may import its own package and the packages below it,
+never one above.
 Every import counts, also those inside functions (a lazy import is a dependency all the same),
 except those under ``if TYPE_CHECKING:`` (annotations only, never run).
 """
@@ -12,7 +13,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ("gnnlm.utils", "gnnlm.workdir", "gnnlm.text", "gnnlm.models", "gnnlm.retrieval",
-          "gnnlm.gnn", "gnnlm.spalm", "gnnlm.lit", "datamodules", "gnnlm.pipeline", "gnnlm")
+          "gnnlm.gnn", "gnnlm.spalm", "gnnlm.lit", "datamodules", "gnnlm.pipeline",
+          "gnnlm.inference", "gnnlm")
 
 
 def modules() -> dict[str, Path]:

@@ -1,6 +1,7 @@
 """The README's own-corpus example, as written: its command and configs on a folder of
 train/valid/test.txt (a WikiText-2 slice standing in for the user's corpus), with the base LM
-trained by the pipeline on that folder and kNN-LM over it."""
+trained by the pipeline on that folder and kNN-LM over it; then ``gnnlm score`` on the
+corpus's own test file prints the report's test perplexities."""
 from __future__ import annotations
 
 import json
@@ -63,3 +64,8 @@ def test_the_own_corpus_example_runs_as_the_readme_says(wikitext_root, tmp_path)
     assert datamodule_args(ckpt)["corpus_path"] == str(corpus)
     saved = load_checkpoint(ckpt)["hyper_parameters"]["vocab_fingerprint"]
     assert saved == tokens["vocab_fingerprint"]
+    # the test file, scored as any text, is the report's test split
+    scored = json.loads(run_gnnlm(["score", str(work), "--file", str(corpus / "test.txt"),
+                                   "--json"], cwd).stdout)
+    assert scored["tokens"] == results["tokens"]
+    assert {row: s["ppl"] for row, s in scored["rows"].items()} == pytest.approx(ppl, rel=1e-6)

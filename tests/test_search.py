@@ -287,3 +287,28 @@ def test_searches_beyond_the_gpu_limit_run_on_the_cpu_copy_and_say_so_once():
     with pytest.warns(UserWarning, match=rf"nprobe={GPU_MAX_K + 1}"):
         deep.search(queries, 10)
     assert deep.index.calls == 0
+
+
+@pytest.mark.parametrize("metric", ["cos", "ip", "l2"])
+def test_a_query_s_neighbours_do_not_depend_on_the_queries_searched_with_it(tmp_path, metric):
+    """Generation searches one query at a time, scoring thousands: a query's neighbours and
+    similarities are the same bits either way, by exact search, a Flat index (faiss sums
+    otherwise below 20 queries) and an IVF index re-ranked from the stored keys (a batched
+    matmul would sum otherwise)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3000, 32)).astype(np.float32)
+    wd = Workdir(tmp_path)
+    write_features(wd.features("train"), x)
+    write_valid(wd, d=32)
+    build_index(wd, "final", metric, IndexConfig(factory="Flat", recall_queries=20))
+    queries = rng.standard_normal((70, 32)).astype(np.float32)
+    flat = Searcher.open(wd.index("final", metric), device="cpu")
+    build_index(wd, "final", metric, IndexConfig(factory="IVF8,SQ8", recall_queries=20),
+                rebuild=True)
+    reranked = Searcher.for_workdir(wd, "final", metric, device="cpu", nprobe=2, rerank=2.0)
+    for searcher in (Searcher.exact(wd, "final", metric, device="cpu"), flat, reranked):
+        together = searcher.search(queries, 16)
+        for i in (0, 33, 69):
+            alone = searcher.search(queries[i:i + 1], 16)
+            np.testing.assert_array_equal(alone[1][0], together[1][i])
+            np.testing.assert_array_equal(alone[0][0], together[0][i])

@@ -54,6 +54,15 @@ class DenseGraph:
         return allowed[None, None] & self.ctx_mask[:, None, None, :]
 
 
+def context_layout(ctx_mask: Tensor, retrieved: Tensor, config: GraphConfig) -> DenseGraph:
+    """The layout of blocks without window nodes (``build_context_graph``'s): tokens
+    ``ctx_mask`` [B, T] that retrieved the train positions ``retrieved`` [B, T, k] (-1: none),
+    whose windows ``gnnlm.gnn.window_states`` supplies."""
+    no_nodes = torch.zeros(*ctx_mask.shape, 0, config.left + config.right + 1, dtype=torch.bool,
+                           device=ctx_mask.device)
+    return DenseGraph(ctx_mask, no_nodes, config.left, config.inter, config.ctx_window, retrieved)
+
+
 def to_dense(batch, config: GraphConfig, x_key: str = "x") -> tuple[Tensor, Tensor, DenseGraph]:
     """A (batched) HeteroData from ``gnnlm.gnn.graph.build_graph`` in the regular layout:
     ``(ctx [B, T, d], nbr [B, T, k, w, d], DenseGraph)``. Node features are ``x_key``. The window
@@ -82,10 +91,7 @@ def to_dense(batch, config: GraphConfig, x_key: str = "x") -> tuple[Tensor, Tens
         ids = ctx_store.retrieved                                        # [n_ctx, k]
         retrieved = ids.new_full((B, T, ids.shape[1]), -1)
         retrieved[ctx_graph, local] = ids
-        nbr = ctx_x.new_zeros(B, T, 0, w, d)
-        return ctx, nbr, DenseGraph(ctx_mask, torch.zeros(nbr.shape[:-1], dtype=torch.bool,
-                                                          device=device),
-                                    config.left, config.inter, config.ctx_window, retrieved)
+        return ctx, ctx_x.new_zeros(B, T, 0, w, d), context_layout(ctx_mask, retrieved, config)
     nbr_graph = getattr(nbr_store, "batch", None)
     if nbr_graph is None:
         nbr_graph = torch.zeros(nbr_x.shape[0], dtype=torch.long, device=device)
@@ -105,7 +111,24 @@ def _linear(modules: nn.ModuleDict, node_type: str) -> nn.Linear:
 
 def fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """W^k followed by the head-wise W^ATT (or W^v by W^FEA) as one [d, d] linear map, so that
-    ``F.linear(h, *fold(W^k, W^ATT))`` is K(s) W^ATT of eq. 2 (and likewise eq. 3)."""
+    ``F.linear(h, *fold(W^k, W^ATT))`` is K(s) W^ATT of eq. 2 (and likewise eq. 3).
+
+    Without autograd (evaluation, generation) the map is kept on ``lin`` until a weight
+    changes: a generated token runs every layer once, and folding cost it as much as the
+    layer's attention."""
+    if torch.is_grad_enabled():
+        return _fold(lin, relation)
+    key = (id(relation), relation._version, lin.weight._version, relation.device,
+           None if lin.bias is None else lin.bias._version)
+    kept = lin.__dict__.setdefault("_folded", {})
+    if key not in kept:
+        if len(kept) >= 8:  # maps of earlier weights: a map reads at most two relations
+            kept.clear()
+        kept[key] = _fold(lin, relation)
+    return kept[key]
+
+
+def _fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     H, D, _ = relation.shape
     weight = lin.weight.view(H, D, -1)                                     # [H, D, d]
     folded = torch.einsum("hde,hdi->hei", relation, weight).reshape(H * D, -1)
@@ -155,28 +178,69 @@ def _inter_attend(conv: GNNLMConv, q: Tensor, keys: Tensor, feats: Tensor,
     return _softmax_attend(scores, mask, feats, conv.dropout, conv.training), mask.any(-1)
 
 
+def _ctx_projections(conv: GNNLMConv, h_ctx: Tensor) -> list[Tensor]:
+    """The ctx nodes' query, intra key (K W^ATT) and intra value (V W^FEA), each
+    [..., H, D], of ``h_ctx`` [..., d] (after the pre-norm)."""
+    return _project(h_ctx, [
+        (_linear(conv.q_lin, "ctx").weight, _linear(conv.q_lin, "ctx").bias),
+        fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"]),
+        fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"])], conv.heads, conv.head_dim)
+
+
+def _causal_attend(conv: GNNLMConv, q: Tensor, key: Tensor, feat: Tensor,
+                   mask: Optional[Tensor]) -> Tensor:
+    """The ctx ← ctx messages: the queries ``q`` [B, T, H, D] over ``key``/``feat``
+    [B, S, H, D] where ``mask`` [..., T, S] allows (None: all of them); μ/√d folded into the
+    query, per head. [B, T, H, D]."""
+    scale = (conv.mu["__".join(CTX_INTRA)] / math.sqrt(conv.head_dim))[None, :, None, None]
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2) * scale, key.transpose(1, 2), feat.transpose(1, 2), attn_mask=mask,
+        dropout_p=conv.dropout if conv.training else 0.0, scale=1.0).transpose(1, 2)
+
+
+def _ctx_output(conv: GNNLMConv, ctx: Tensor, causal: Tensor, messages: Tensor,
+                any_source: Tensor) -> Tensor:
+    """Eq. 4 and 1 at the ctx nodes: the causal and inter messages summed (or averaged over
+    the edge types that reach each token), W^o, the residual."""
+    B, T, d = ctx.shape
+    agg = causal + messages
+    if conv.edge_aggr == "mean":  # the self loop always reaches a token
+        agg = agg / (1.0 + any_source.to(agg.dtype))[..., None, None]
+    return conv.residual("ctx", ctx, conv.o_lin["ctx"](agg.reshape(B, T, d)))
+
+
 def ctx_update(conv: GNNLMConv, ctx: Tensor, h_ctx: Tensor, graph: DenseGraph,
                inter: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Tensor:
     """The ctx nodes' layer output (eq. 1–4): causal attention over the block plus the inter
     messages, ``inter(q)`` → (messages [B, T, H, D], any source [B, T]) for the queries
     ``q`` [B, T, H, D]. ``h_ctx`` is ``ctx`` [B, T, d] after the pre-norm."""
-    H, D, d = conv.heads, conv.head_dim, conv.channels
-    B, T = ctx.shape[:2]
-    q, key, feat = _project(h_ctx, [
-        (_linear(conv.q_lin, "ctx").weight, _linear(conv.q_lin, "ctx").bias),
-        fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"]),
-        fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"])], H, D)      # each [B, T, H, D]
-    # ctx ← ctx: causal attention; μ/√d folded into the query, per head
-    scale = (conv.mu["__".join(CTX_INTRA)] / math.sqrt(D))[None, :, None, None]
-    causal = F.scaled_dot_product_attention(
-        q.transpose(1, 2) * scale, key.transpose(1, 2), feat.transpose(1, 2),
-        attn_mask=graph.causal_mask(), dropout_p=conv.dropout if conv.training else 0.0,
-        scale=1.0).transpose(1, 2)                                          # [B, T, H, D]
-    messages, any_source = inter(q)                                         # ctx ← nbr
-    agg = causal + messages
-    if conv.edge_aggr == "mean":  # the self loop always reaches a token
-        agg = agg / (1.0 + any_source.to(agg.dtype))[..., None, None]
-    return conv.residual("ctx", ctx, conv.o_lin["ctx"](agg.reshape(B, T, d)))  # eq. 4, 1
+    q, key, feat = _ctx_projections(conv, h_ctx)                            # each [B, T, H, D]
+    causal = _causal_attend(conv, q, key, feat, graph.causal_mask())
+    return _ctx_output(conv, ctx, causal, *inter(q))                       # inter: ctx ← nbr
+
+
+def ctx_step(conv: GNNLMConv, ctx: Tensor, h_ctx: Tensor,
+             past: Optional[tuple[Tensor, Tensor]], ctx_window: Optional[int],
+             inter: Callable[[Tensor], tuple[Tensor, Tensor]]
+             ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """``ctx_update`` for T tokens appended after the P earlier tokens of their block, whose
+    intra keys and values at this layer are ``past`` ([B, P, H, D] each; None: none): the
+    layer output of the new tokens [B, T, d], and the keys and values of all P + T. The causal
+    edges run j → i for j ≤ i (within ``ctx_window``), so the earlier tokens' outputs do not
+    change and are not recomputed."""
+    q, key, feat = _ctx_projections(conv, h_ctx)                            # each [B, T, H, D]
+    if past is not None:
+        key, feat = torch.cat([past[0], key], dim=1), torch.cat([past[1], feat], dim=1)
+    T, S = q.shape[1], key.shape[1]
+    i = torch.arange(S - T, S, device=q.device)[:, None]                   # absolute positions
+    j = torch.arange(S, device=q.device)[None, :]
+    allowed = j <= i
+    if ctx_window is not None:
+        allowed &= i - j < ctx_window
+    # one new token reads every earlier one: no mask to apply
+    causal = _causal_attend(conv, q, key, feat,
+                            None if T == 1 and ctx_window is None else allowed)
+    return _ctx_output(conv, ctx, causal, *inter(q)), (key, feat)
 
 
 def window_update(conv: GNNLMConv, nbr: Tensor, h: Tensor, present: Tensor) -> Tensor:

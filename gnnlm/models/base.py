@@ -12,7 +12,7 @@ and the output embedding ``(W, b)`` that turns ``final`` into logits.
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,12 @@ class BaseLM(nn.Module):
     logit_softcap: Optional[float] = None
 
     def forward(self, input_ids: Tensor, memory: Optional[list[Tensor]] = None) -> Features:
+        raise NotImplementedError
+
+    def step(self, input_ids: Tensor, cache: Any = None) -> tuple[Features, Any]:
+        """Incremental decoding with a key/value cache: the features of ``input_ids [B, T]``,
+        read after the tokens ``cache`` holds (None: none), and the cache extended by them.
+        Without a cache it computes what ``forward`` does."""
         raise NotImplementedError
 
     def output_embedding(self) -> tuple[Tensor, Optional[Tensor]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -79,6 +79,51 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
+    def step(self, h: Tensor, past: Optional[tuple[Tensor, Tensor]]
+             ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Attention of ``h [B, T, d]``, the tokens after the P cached ones, over the cache and
+        causally over themselves: ``(output [B, T, d], (keys, values) [B, H, P + T, Dh])``. With
+        no cache this is ``forward`` without memory; with a cache made from memory
+        (``GPT.memory_cache``), ``forward`` with that memory."""
+        B, T, d = h.shape
+        P = 0 if past is None else past[0].shape[2]
+        q, k, v = (t.view(B, T, self.n_head, d // self.n_head).transpose(1, 2)
+                   for t in self.qkv(h).split(d, dim=-1))                  # [B, H, T, Dh]
+        positions = torch.arange(P, P + T, device=h.device)
+        q, k = rotate(q, positions, self.rope_base), rotate(k, positions, self.rope_base)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if P == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif T == 1:  # one new token sees every cached token and itself: no mask to apply
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:  # new token i (absolute P+i) sees every cached token and the new ones up to itself
+            mask = torch.ones(T, P + T, dtype=torch.bool, device=h.device).tril(diagonal=P)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, d)), (k, v)
+
+    def cached(self, h_mem: Tensor) -> tuple[Tensor, Tensor]:
+        """The rotated keys and values of Transformer-XL memory ``h_mem [B, M, d]`` (already
+        normed), at positions 0 … M−1 as ``forward`` places them."""
+        B, M, d = h_mem.shape
+        _, k, v = (t.view(B, M, self.n_head, d // self.n_head).transpose(1, 2)
+                   for t in self.qkv(h_mem).split(d, dim=-1))
+        return rotate(k, torch.arange(M, device=h_mem.device), self.rope_base), v
+
+
+@dataclass
+class KVCache:
+    """What incremental decoding keeps of the tokens read so far: every layer's rotated keys and
+    values ``[B, H, P, Dh]`` and, for a model with Transformer-XL memory, every layer's inputs
+    ``[B, P, d]`` (memory included), whose last M are the next segment's memory."""
+    keys: list[Tensor]
+    values: list[Tensor]
+    inputs: Optional[list[Tensor]] = None
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
 
 class Block(nn.Module):
     """Pre-LN block; returns the new residual stream and the FFN's input (the ``att`` feature)."""
@@ -97,6 +142,14 @@ class Block(nn.Module):
         ffn_input = self.ln2(x)
         x = x + self.drop(self.mlp(ffn_input))
         return x, ffn_input
+
+    def step(self, x: Tensor, past: Optional[tuple[Tensor, Tensor]]
+             ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+        """``forward`` for tokens after the cached ones: also their keys and values."""
+        attended, present = self.attn.step(self.ln1(x), past)
+        x = x + self.drop(attended)
+        ffn_input = self.ln2(x)
+        return x + self.drop(self.mlp(ffn_input)), ffn_input, present
 
 
 class GPT(BaseLM):
@@ -143,6 +196,42 @@ class GPT(BaseLM):
                 new_memory.append(joined[:, -self.memory_length:].detach())
             x, ffn_input = block(x, mem)
         return Features(final=self.ln_f(x), att=ffn_input, memory=new_memory)
+
+    def step(self, input_ids: Tensor, cache: Optional[KVCache] = None
+             ) -> tuple[Features, KVCache]:
+        """Incremental decoding: the features of ``input_ids [B, T]`` read after the tokens
+        ``cache`` holds (None: none), and the cache extended by them. A model with memory starts
+        each segment from ``memory_cache(memory)``; the next memory is ``next_memory(cache)``."""
+        x = self.drop(self.wte(input_ids))                                # [B, T, d]
+        keys, values = [], []
+        inputs: Optional[list[Tensor]] = [] if self.memory_length > 0 else None
+        ffn_input = x
+        for layer, block in enumerate(cast(list[Block], list(self.blocks))):
+            past = None if cache is None else (cache.keys[layer], cache.values[layer])
+            if inputs is not None:
+                before = None if cache is None or cache.inputs is None else cache.inputs[layer]
+                inputs.append(x if before is None else torch.cat([before, x], dim=1))
+            x, ffn_input, (k, v) = block.step(x, past)
+            keys.append(k)
+            values.append(v)
+        return Features(final=self.ln_f(x), att=ffn_input), KVCache(keys, values, inputs)
+
+    def memory_cache(self, memory: Optional[list[Tensor]]) -> Optional[KVCache]:
+        """The cache a segment starts from: Transformer-XL memory (per layer ``[B, M, d]``, the
+        layer inputs of the previous segment) as keys and values at positions 0 … M−1, as
+        ``forward(..., memory)`` reads it. None without memory."""
+        if memory is None:
+            return None
+        blocks = cast(list[Block], list(self.blocks))
+        kv = [block.attn.cached(block.ln1(mem)) for block, mem in zip(blocks, memory)]
+        return KVCache([k for k, _ in kv], [v for _, v in kv], list(memory))
+
+    def next_memory(self, cache: KVCache) -> list[Tensor]:
+        """The memory the segment a cache has read leaves for the next: each layer's last
+        ``memory_length`` inputs, as ``forward`` returns it."""
+        if cache.inputs is None:
+            raise ValueError("This GPT has no Transformer-XL memory (memory_length = 0).")
+        return [x[:, -self.memory_length:].detach() for x in cache.inputs]
 
     def output_embedding(self) -> tuple[Tensor, Optional[Tensor]]:
         return self.lm_head.weight, None

@@ -18,6 +18,7 @@ Log-probabilities are computed in float32 whatever dtype the weights are loaded 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from functools import partial
 from typing import Any, Optional, Union
@@ -111,12 +112,16 @@ class HFCausalLM(BaseLM):
         # run only the transformer (no [B, T, V] logits) when every key lies inside it
         self._runner = (model.base_model if all(m in inside for m in modules.values())
                         else model)
+        self._cache_argument = ("cache" if "cache" in inspect.signature(
+            self._runner.forward).parameters else "past_key_values")
+        self._hooks = []
         for key, module in modules.items():  # partials of methods: the model still pickles
             if self.keys[key].endswith(":input"):
-                module.register_forward_pre_hook(partial(self._capture_input, key),
-                                                 with_kwargs=True)
+                self._hooks.append(module.register_forward_pre_hook(
+                    partial(self._capture_input, key), with_kwargs=True))
             else:
-                module.register_forward_hook(partial(self._capture_output, key))
+                self._hooks.append(module.register_forward_hook(
+                    partial(self._capture_output, key)))
         if check:
             self.check_final()
 
@@ -141,6 +146,19 @@ class HFCausalLM(BaseLM):
             raise ValueError(f"base_lm.keys.{key} = {self.keys[key]!r}: the module returns "
                              f"{type(output).__name__}, not hidden states.")
         self._captured[key] = tensor
+
+    def captured(self, key: str) -> Tensor:
+        """The ``key`` feature of the model's last forward pass, however it was called (e.g.
+        by ``generate()``), as the hook caught it."""
+        if key not in self._captured:
+            raise ValueError(f"No {key} feature was captured: run the model first.")
+        return self._captured[key]
+
+    def remove_hooks(self) -> None:
+        """Take the feature hooks off the model."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, keys: Optional[dict[str, str]] = None,
@@ -183,9 +201,19 @@ class HFCausalLM(BaseLM):
     def forward(self, input_ids: Tensor, memory: Optional[list[Tensor]] = None) -> Features:
         if memory is not None:
             raise ValueError("Hugging Face base LMs do not take Transformer-XL memory.")
+        return self._run(input_ids, use_cache=False)[0]
+
+    def step(self, input_ids: Tensor, cache: Any = None) -> tuple[Features, Any]:
+        """Incremental decoding through the model's own key/value cache, which the model
+        extends in place (its forward's ``cache``, ``past_key_values`` before transformers
+        5.2x)."""
+        return self._run(input_ids, use_cache=True, **{self._cache_argument: cache})
+
+    def _run(self, input_ids: Tensor, **kwargs: Any) -> tuple[Features, Any]:
+        """The features the hooks capture in one forward pass, and the model's cache."""
         self._captured = {}
         first = self.model.get_input_embeddings().weight.device
-        self._runner(input_ids=input_ids.to(first), use_cache=False)
+        out = self._runner(input_ids=input_ids.to(first), **kwargs)
         captured, self._captured = self._captured, {}
         missing = [key for key in FEATURE_KEYS if key not in captured]
         if missing:
@@ -193,8 +221,11 @@ class HFCausalLM(BaseLM):
                              f"did not run in the forward pass; name one that does.")
         # some blocks flatten tokens before their FFN (OPT): back to [B, T, d]
         shape = (*input_ids.shape, -1)
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = getattr(out, "past_key_values", None)
         return Features(final=captured["final"].reshape(shape),
-                        att=captured["att"].reshape(shape))
+                        att=captured["att"].reshape(shape)), cache
 
     @torch.no_grad()
     def check_final(self, n_tokens: int = 8) -> None:

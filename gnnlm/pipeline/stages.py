@@ -192,9 +192,12 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
 def search_label(workdir: Workdir, retrieval: KeyRetrieval) -> dict:
     """What a kNN-LM row's neighbours and scores are, from its test cache's manifest (an index
     searched with re-ranking gives exact scores whatever ``knn.scores`` says)."""
-    facts = search_facts(retrieval.knn_caches["test"], workdir)
+    manifest = retrieval.knn_caches["test"]
+    facts = search_facts(manifest, workdir)
     return {"neighbours": neighbours_label(facts),
-            "scores": "exact" if facts["scores_are_exact"] else "approximate (index)"}
+            "scores": "exact" if facts["scores_are_exact"] else "approximate (index)",
+            # the cache's own setting: what `gnnlm.load` searches new text with
+            "knn_scores": manifest["scores"]}
 
 
 def knn_caches(cfg: PipelineConfig, workdir: Workdir, key: str,

@@ -7,7 +7,8 @@ kNN-LM (Khandelwal et al. 2020; Meng et al. 2022 eq. 5; Xu et al. 2023 eq. 2-3, 
 
 with s_i the similarity of the i-th neighbour (higher is better: cos, ip or −squared l2) and
 v_i its value (the train token after it). Only the target's probability matters for perplexity,
-so everything here works on ``hits`` [N, K] (v_i == target) instead of vocabulary-sized tensors.
+so scoring works on ``hits`` [N, K] (v_i == target) instead of vocabulary-sized tensors;
+``knn_distribution`` forms the whole distribution, which generation samples from.
 The arrays come from a kNN cache (``gnnlm.retrieval.knn_cache``) or from any mapping with
 ``lm_logprob`` [N], ``sims`` [N, K] and ``hits`` [N, K].
 
@@ -87,6 +88,35 @@ def knn_logprob(sims: Any, hits: Any, k: int, temperature: float) -> Any:
     # No hit is -inf even when there is also no neighbour (-inf - -inf would be nan).
     out = torch.where(torch.isneginf(hit), torch.full_like(hit, -math.inf), hit - total)
     return _like(out, sims, hits)
+
+
+def knn_distribution(sims: Any, values: Any, k: int, temperature: float,
+                     vocab_size: int) -> torch.Tensor:
+    """The kNN distribution: log p_kNN over the vocabulary, float32 [N, V], from the first k
+    of ``sims`` [N, K] and their ``values`` [N, K] (the train token after each neighbour; -1:
+    no neighbour).
+
+    p_kNN(w) sums softmax(s / T) over the neighbours whose value is w; here in log space, as
+    ``knn_logprob`` computes it for the target alone (so the two agree at the target): each
+    neighbour gets the logsumexp of the scores of the neighbours that share its value, minus
+    the logsumexp of all k, and the vocabulary row takes it at that value. The work is on the
+    k neighbours ([N, k, k]); the vocabulary is written once. Words no neighbour holds get
+    -inf; a row with no neighbour at all is -inf everywhere (interpolation with λ < 1 leaves
+    it the LM's share, as in ``knn_logprob``).
+    """
+    check_k(k, sims.shape[1])
+    check_temperature(temperature)
+    s = _tensor(sims, torch.float32)[:, :k] / temperature                 # [N, k]
+    v = _tensor(values).to(torch.int64)[:, :k]
+    valid = (v >= 0) & torch.isfinite(s)
+    s = s.masked_fill(~valid, -math.inf)
+    same = (v[:, :, None] == v[:, None, :]) & valid[:, None, :]           # [N, k, k]
+    word = torch.logsumexp(s[:, None, :].masked_fill(~same, -math.inf), dim=2)  # [N, k]
+    logp = word - torch.logsumexp(s, dim=1, keepdim=True)
+    # invalid neighbours write to a spare column, dropped after
+    column = torch.where(valid, v, torch.full_like(v, vocab_size))
+    out = torch.full((s.shape[0], vocab_size + 1), -math.inf)
+    return out.scatter_(1, column, logp.masked_fill(~valid, -math.inf))[:, :vocab_size]
 
 
 def interpolate(lm_logprob: Any, other_logprob: Any, lam: Any) -> Any:

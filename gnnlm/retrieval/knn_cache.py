@@ -26,7 +26,7 @@ import numpy as np
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.knn import CACHE_ARRAYS
 from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
-from gnnlm.retrieval.search import rescore
+from gnnlm.retrieval.search import exhaustive_index, rescore  # noqa: F401  (importable from here)
 from gnnlm.retrieval.settings import SCORES, check_scores  # noqa: F401  (importable from here)
 from gnnlm.utils.metrics import check_finite, perplexity
 from gnnlm.workdir.artifacts import (
@@ -41,17 +41,9 @@ from gnnlm.workdir.layout import Workdir
 
 # What a cache manifest records of its neighbours' search (``search_facts``).
 SEARCH_FACTS = ("backend", "factory", "nprobe", "rerank", "scores_are_exact")
-# faiss factories searched exhaustively (every key scored): their neighbours are the exact ones.
-_EXHAUSTIVE = re.compile(r"(IDMap2?,)?Flat")
 # factories whose index holds the keys uncompressed: the distances it returns are exact, whatever
 # lists or graph nodes it visits.
 _UNCOMPRESSED = re.compile(r"(IDMap2?,)?((IVF\d+(_HNSW\d+)?|HNSW\d+),)?Flat|HNSW\d+")
-
-
-def exhaustive_index(factory: str | None) -> bool:
-    """True when an index of this faiss factory scores every key (``Flat``): its neighbours are
-    the exact ones."""
-    return factory is not None and _EXHAUSTIVE.fullmatch(factory) is not None
 
 
 def exact_score_index(factory: str | None) -> bool:

@@ -19,6 +19,7 @@ recomputes the similarities of given neighbours exactly, in their order.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -33,6 +34,21 @@ from gnnlm.retrieval.settings import METRICS, check_metric  # noqa: F401  (impor
 from gnnlm.utils.devices import faiss_device, torch_device
 from gnnlm.workdir.artifacts import read_manifest
 from gnnlm.workdir.layout import Workdir
+
+# Queries scored together by one matrix product, at least: below about 8 rows the CPU kernel
+# sums in another order, and a query's similarities would depend on how many were searched with
+# it (generation searches one at a time, scoring thousands). faiss does the same below its
+# BLAS threshold, so exhaustive faiss indexes are searched with at least that many.
+MIN_ROWS = 32
+FAISS_BLAS_ROWS = 20
+# faiss factories searched exhaustively (every key scored): their neighbours are the exact ones.
+_EXHAUSTIVE = re.compile(r"(IDMap2?,)?Flat")
+
+
+def exhaustive_index(factory: str | None) -> bool:
+    """True when an index of this faiss factory scores every key (``Flat``): its neighbours are
+    the exact ones."""
+    return factory is not None and _EXHAUSTIVE.fullmatch(factory) is not None
 
 # GPU faiss refuses k (and nprobe) above this; larger searches run on the CPU copy
 # (``Searcher.search`` warns once), and tuning never picks such a setting
@@ -110,10 +126,13 @@ def exact_search(keys: Any, queries: Any, k: int, metric: str, device: str | tor
     # Scores go to one reused [rows, chunk] buffer of ~2^24 floats (64 MB): allocating (and
     # first-touching) a fresh block per step cost ~30% of the time on CPU.
     width = max(1, min(chunk, n_keys))
-    rows = max(1, min(n, (1 << 24) // width))
+    rows = max(MIN_ROWS, min(n, (1 << 24) // width))
+    short = n % rows
+    if 0 < short < MIN_ROWS:  # zero queries, cut below: no block of fewer than MIN_ROWS
+        q = torch.cat([q, q.new_zeros(MIN_ROWS - short, q.shape[1])])
     buffer = torch.empty(rows * width, device=device)
-    best_s = torch.full((n, k), -math.inf, device=device)          # [n, k]
-    best_i = torch.full((n, k), -1, dtype=torch.int64, device=device)
+    best_s = torch.full((q.shape[0], k), -math.inf, device=device)  # [n, k]
+    best_i = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=device)
     q_sq = (q * q).sum(1) if metric == "l2" else None                # [n]
     for start in range(0, n_keys, chunk):
         kc = _key_block(keys, start, min(start + chunk, n_keys), device)  # [c, d]
@@ -122,8 +141,8 @@ def exact_search(keys: Any, queries: Any, k: int, metric: str, device: str | tor
             kc = F.normalize(kc, dim=1, eps=1e-12)
         k_sq = (kc * kc).sum(1) if metric == "l2" else None           # [c]
         kk = min(k, c)
-        for r0 in range(0, n, rows):
-            r1 = min(r0 + rows, n)
+        for r0 in range(0, q.shape[0], rows):
+            r1 = min(r0 + rows, q.shape[0])
             s = buffer[:(r1 - r0) * c].view(r1 - r0, c)
             torch.mm(q[r0:r1], kc.T, out=s)                            # [r, c]
             if q_sq is not None and k_sq is not None:  # l2
@@ -135,7 +154,7 @@ def exact_search(keys: Any, queries: Any, k: int, metric: str, device: str | tor
             best_s[r0:r1], pos = merged_s.topk(k, dim=1)
             best_i[r0:r1] = merged_i.gather(1, pos)
     best_i[torch.isneginf(best_s)] = -1
-    return best_s.cpu().numpy(), best_i.cpu().numpy()
+    return best_s[:n].cpu().numpy(), best_i[:n].cpu().numpy()
 
 
 def recall_at(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int) -> float:
@@ -172,17 +191,20 @@ class Searcher:
         self.manifest = manifest or {}
         self.nprobe: int | None = None
         self.rerank = 0.0
-        self._prepared: Optional[np.ndarray] = None   # keys for re-ranking, made once
+        self._rerank_keys: Optional[RerankKeys] = None   # what re-ranking reads, made once
+        self.keys_in_ram: Optional[bool] = None  # re-ranking keys in RAM (None: when they fit)
         self._cpu_index: Any = None   # set when ``index`` is on a GPU: for wider searches
         self._warned_cpu = False
         self.backend = "faiss" if index is not None else "exact"
 
     @classmethod
     def open(cls, index_dir: str | Path, nprobe: int | None = None, rerank: float | None = None,
-             device: str = "auto", keys: Any = None) -> Searcher:
+             device: str = "auto", keys: Any = None,
+             keys_in_ram: Optional[bool] = None) -> Searcher:
         """A searcher over a built index folder (``nprobe`` and ``rerank`` default to the
         manifest's). Re-ranking reads ``keys``, the train features the index was built over
-        (``Searcher.for_workdir`` finds them)."""
+        (``Searcher.for_workdir`` finds them), prepared in RAM once (``keys_in_ram``; None:
+        when they take at most ``RERANK_RAM_BYTES``) or row by row: the same similarities."""
         manifest = read_manifest(index_dir, kind="index")
         index = faiss.read_index(str(Path(index_dir) / manifest["index_file"]))
         nprobe = int(manifest["nprobe"] if nprobe is None else nprobe)
@@ -199,7 +221,7 @@ class Searcher:
         set_nprobe(index, nprobe)
         searcher = cls(metric=manifest["metric"], key=manifest["key"], ntotal=index.ntotal,
                        d=index.d, index=index, keys=keys, device="cpu", manifest=manifest)
-        searcher.nprobe, searcher.rerank = nprobe, rerank
+        searcher.nprobe, searcher.rerank, searcher.keys_in_ram = nprobe, rerank, keys_in_ram
         if faiss_device(device) == "cuda":
             gpu = int(str(device).split(":")[1]) if ":" in str(device) else 0
             try:
@@ -278,14 +300,18 @@ class Searcher:
                               f"the index, much slower. Lower neighbors.K, "
                               f"rerank or nprobe, or keep the index's tuned ones ('auto').",
                               stacklevel=2)
-        dist, ids = index.search(q, width)                             # [n, width] each
+        if exhaustive_index(self.manifest.get("factory")) and len(q) < FAISS_BLAS_ROWS:
+            # below its BLAS threshold faiss sums another way: zero queries, cut below
+            n = len(q)
+            q = np.concatenate([q, np.zeros((FAISS_BLAS_ROWS - n, q.shape[1]), q.dtype)])
+            dist, ids = (a[:n] for a in index.search(q, width))
+        else:
+            dist, ids = index.search(q, width)                         # [n, width] each
         ids = ids.astype(np.int64, copy=False)
         if self.rerank:
-            if self._prepared is None and self.keys.nbytes * 2 <= RERANK_RAM_BYTES:
-                self._prepared = prepare_keys(self.keys, self.metric)  # once per searcher
-            if self._prepared is not None:
-                return rerank(queries, ids, self._prepared, self.metric, k, prepared=True)
-            return rerank(queries, ids, self.keys, self.metric, k)
+            if self._rerank_keys is None:
+                self._rerank_keys = RerankKeys(self.keys, self.metric, self.keys_in_ram)
+            return rerank(queries, ids, self._rerank_keys, self.metric, k)
         sims = -dist if self.metric == "l2" else dist
         sims[ids < 0] = -np.inf  # faiss pads with ±FLT_MAX
         return sims.astype(np.float32, copy=False), ids
@@ -327,40 +353,68 @@ def similarity(queries: Any, keys: Any, metric: str) -> torch.Tensor:
 RERANK_RAM_BYTES = 4 << 30
 
 
+def _prepared(rows: np.ndarray, metric: str) -> np.ndarray:
+    """Stored key rows as re-ranking reads them: float32, L2-normalised for cos."""
+    rows = np.asarray(rows, dtype=np.float32)
+    return normalize_rows(rows) if metric == "cos" else rows
+
+
 def prepare_keys(keys: Any, metric: str, chunk: int = 1 << 20) -> np.ndarray:
-    """``keys`` as float32 in RAM, L2-normalised for cos: what ``rerank(prepared=True)`` reads
-    (no conversion or norm per candidate)."""
+    """``keys`` as float32 in RAM, L2-normalised for cos: what re-ranking reads (no conversion
+    or norm per candidate)."""
     out = np.empty(keys.shape, dtype=np.float32)
     for start in range(0, len(out), chunk):
-        block = np.asarray(keys[start:start + chunk], dtype=np.float32)
-        out[start:start + chunk] = normalize_rows(block) if metric == "cos" else block
+        out[start:start + chunk] = _prepared(keys[start:start + chunk], metric)
     return out
 
 
-def rerank(queries: Any, ids: np.ndarray, keys: Any, metric: str, k: int,
-           max_elems: int = 1 << 24, prepared: bool = False) -> tuple[np.ndarray, np.ndarray]:
+class RerankKeys:
+    """The stored train keys as re-ranking reads them (float32; unit rows for cos): prepared
+    once in RAM (``in_ram``; None: when they take at most ``RERANK_RAM_BYTES``), or row by row
+    from the float16 memmap for each search. Each row is normalised on its own, so both give
+    the same bits, and a searcher that keeps nothing in RAM (``gnnlm.load``) finds the same
+    neighbours with the same scores as the pipeline did."""
+
+    def __init__(self, keys: Any, metric: str, in_ram: Optional[bool] = None):
+        check_metric(metric)
+        self.keys, self.metric = keys, metric
+        if in_ram is None:
+            in_ram = keys.nbytes * 2 <= RERANK_RAM_BYTES
+        self._table = prepare_keys(keys, metric) if in_ram else None
+        self.dim = int(keys.shape[1])
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Float32 rows [len(ids), d] of the train positions ``ids`` (>= 0)."""
+        if self._table is not None:
+            return np.take(self._table, ids, axis=0)
+        order = np.argsort(ids, kind="stable")  # sequential memmap reads, rows put back after
+        rows = np.empty((len(ids), self.dim), dtype=np.float32)
+        rows[order] = _prepared(np.take(np.asarray(self.keys), ids[order], axis=0), self.metric)
+        return rows
+
+
+def rerank(queries: Any, ids: np.ndarray, keys: RerankKeys, metric: str, k: int,
+           max_elems: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
     """The k best of candidate ``ids`` [n, R] (-1: none) by exact similarity to ``queries``
-    [n, d], from the stored ``keys`` (or from ``prepare_keys(keys)`` with ``prepared``):
-    ``(sims float32 [n, k], ids int64 [n, k])``, best first."""
+    [n, d], from the stored keys (``RerankKeys``): ``(sims float32 [n, k], ids int64 [n, k])``,
+    best first."""
     check_metric(metric)
     n, R = ids.shape
-    d = int(keys.shape[1])
-    source = np.asarray(keys)  # a memmap's pages, no copy
+    d = keys.dim
     out_s = np.full((n, k), -np.inf, dtype=np.float32)
     out_i = np.full((n, k), -1, dtype=np.int64)
     step = max(1, max_elems // max(1, R * d))
     for r0 in range(0, n, step):
         cand = ids[r0:r0 + step]                                       # [b, R]
         b = cand.shape[0]
-        rows = torch.from_numpy(np.take(source, np.maximum(cand, 0).ravel(), axis=0))
-        keys_b = rows.view(b, R, d).float()                            # [b, R, d]
+        keys_b = torch.from_numpy(keys.rows(np.maximum(cand, 0).ravel())).view(b, R, d)
         q = _float_tensor(queries[r0:r0 + step])                       # [b, d]
         if metric == "cos":
             q = F.normalize(q, dim=1, eps=1e-12)
-        sims = torch.bmm(keys_b, q[:, :, None]).squeeze(-1)           # [b, R]
-        if metric == "cos" and not prepared:
-            sims /= keys_b.norm(dim=-1).clamp_min(1e-12)
-        elif metric == "l2":
+        # a dot product per row, not bmm: a batched matmul's sums depend on how many queries
+        # go together, and a query's neighbours must not (generation searches one at a time)
+        sims = torch.linalg.vecdot(keys_b, q[:, None, :])              # [b, R]
+        if metric == "l2":
             sims = (2 * sims - (q * q).sum(-1, keepdim=True)
                     - (keys_b * keys_b).sum(-1)).clamp_(max=0.0)
         sims = sims.masked_fill(torch.from_numpy(cand < 0), -math.inf)

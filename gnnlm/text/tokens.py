@@ -61,6 +61,11 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         raise NotImplementedError
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """The ids of a text to be continued where it stops: as ``encode``, but a last line
+        that the text does not end with a newline stays open (no end-of-line after it)."""
+        return self.encode(text)
+
     def tokens(self, ids) -> list[str]:
         raise NotImplementedError
 
@@ -97,6 +102,10 @@ class WordTokenizer(Tokenizer):
         words = [w for line in _lines(text) for w in (*line.split(), EOS)]
         get, unk = self.stoi.get, self.unk_id
         return np.fromiter((get(w, unk) for w in words), dtype=np.int64, count=len(words))
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        ids = self.encode(text)
+        return ids if text.endswith("\n") or not len(ids) else ids[:-1]  # its line's <eos>
 
     def tokens(self, ids) -> list[str]:
         return [self.vocab[int(i)] for i in ids]
@@ -231,8 +240,16 @@ class HFTokenizer(Tokenizer):
         return cls(fast.backend_tokenizer)
 
     def encode(self, text: str) -> np.ndarray:
-        encs = self.backend.encode_batch([line + "\n" for line in _lines(text)],
-                                         add_special_tokens=False)
+        return self._encode_lines([line + "\n" for line in _lines(text)])
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        lines = [line + "\n" for line in _lines(text)]
+        if lines and not text.endswith("\n"):
+            lines[-1] = lines[-1][:-1]
+        return self._encode_lines(lines)
+
+    def _encode_lines(self, lines: list[str]) -> np.ndarray:
+        encs = self.backend.encode_batch(lines, add_special_tokens=False)
         return np.fromiter((i for e in encs for i in e.ids), dtype=np.int64)
 
     def tokens(self, ids) -> list[str]:

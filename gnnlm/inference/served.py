@@ -1,0 +1,154 @@
+"""What a built work directory serves: its report's rows and the settings fitted for them.
+
+``gnnlm pipeline`` ends by writing ``reports/<name>/results.json``: every row it scored, and for
+each interpolation what it fitted on valid (kNN-LM's k, T and λ; GNN+kNN's; a learned W_ds's λ
+with the base LM). GNN-LM's evaluation k, chosen on valid, is in its model's manifest
+(``gnnlm.gnn.trained``). Those are a row's defaults here; any can be overridden per call
+(``RowSettings``), and is checked as the pipeline's config checks it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from gnnlm.pipeline import rows
+from gnnlm.retrieval.settings import check_lambda, check_temperature
+from gnnlm.workdir.artifacts import ArtifactError, read_manifest
+from gnnlm.workdir.layout import Workdir
+
+
+class NotServed(ValueError):
+    """A work directory, report or row that cannot be used: the message says what to do."""
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """What a row reads besides its weights: kNN-LM's ``knn_k`` neighbours, ``knn_temperature``
+    and the interpolation weight ``lam`` (of kNN-LM, GNN+kNN, or a learned W_ds with the base
+    LM), and GNN-LM's ``gnn_k`` windows per token. None: the row does not read it."""
+    knn_k: Optional[int] = None
+    knn_temperature: Optional[float] = None
+    lam: Optional[float] = None
+    gnn_k: Optional[int] = None
+
+    def override(self, **given: Any) -> RowSettings:
+        """These settings with the ``given`` values that are not None, each checked; a value
+        the row does not read is refused (it would change nothing)."""
+        changes = {name: value for name, value in given.items() if value is not None}
+        for name, value in changes.items():
+            if getattr(self, name) is None:
+                raise NotServed(f"{name} = {value} changes nothing here: the row does not read "
+                                f"it (it reads {', '.join(self.read()) or 'none of them'}).")
+        out = dataclasses.replace(self, **changes)
+        if out.knn_temperature is not None:
+            check_temperature(out.knn_temperature)
+        if out.lam is not None:
+            check_lambda(out.lam)
+        for name in ("knn_k", "gnn_k"):
+            value = getattr(out, name)
+            if value is not None and (int(value) != value or value < 1):
+                raise NotServed(f"{name} must be a positive integer (got {value}).")
+        return out
+
+    def knn(self) -> tuple[int, float]:
+        """kNN-LM's ``(k, T)``, for a row that reads them."""
+        if self.knn_k is None or self.knn_temperature is None:
+            raise NotServed("this row has no kNN-LM part.")
+        return int(self.knn_k), float(self.knn_temperature)
+
+    @property
+    def weight(self) -> float:
+        """The interpolation weight λ, for a row that has one."""
+        if self.lam is None:
+            raise NotServed("this row is not an interpolation.")
+        return float(self.lam)
+
+    def read(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
+
+def find_report(workdir: Workdir, report: Optional[str]) -> Path:
+    """``reports/<report>/results.json`` (None: the one report, or the newest of several)."""
+    if not workdir.root.is_dir():
+        raise NotServed(f"{workdir.root} does not exist: give the work directory a `gnnlm "
+                        f"pipeline` run built (its config's `workdir`).")
+    if report is not None:
+        path = workdir.report(report) / "results.json"
+        if not path.is_file():
+            names = sorted(p.parent.name for p in workdir.root.glob("reports/*/results.json"))
+            raise NotServed(f"{workdir.root} has no report {report!r} (it has "
+                            f"{', '.join(names) or 'none'}).")
+        return path
+    found: list[Path] = sorted(workdir.root.glob("reports/*/results.json"),
+                               key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise NotServed(f"{workdir.root} is not a built gnnlm work directory: it holds no "
+                        f"reports/<name>/results.json. Run `gnnlm pipeline` with the config "
+                        f"whose `workdir` it is, to the end, then use it.")
+    return found[-1]
+
+
+class Served:
+    """The rows of a work directory's report and their fitted settings.
+
+    ``rows``: every row the report scored, in table order. ``settings(row)``: its defaults.
+    ``retrieval(row)``: the key, similarity and kNN-cache scores of a kNN-LM part.
+    """
+
+    def __init__(self, workdir: Workdir, report: Optional[str] = None):
+        self.workdir = workdir
+        self.path = find_report(workdir, report)
+        self.name = self.path.parent.name
+        self.results = json.loads(self.path.read_text())
+        try:
+            features = workdir.features_manifest("train")
+        except ArtifactError as err:
+            raise NotServed(f"{err} The report {self.path} needs its work directory's "
+                            f"features.") from None
+        if self.results["base_lm"]["fingerprint"] != features["base_lm"]["fingerprint"]:
+            raise NotServed(f"{self.path} was written for base LM weights "
+                            f"{self.results['base_lm']['fingerprint']}, but the features in "
+                            f"{workdir.root} are of {features['base_lm']['fingerprint']}: rerun "
+                            f"`gnnlm pipeline` on it so that the report describes its models.")
+        self.rows: list[str] = rows.order(self.results["ppl"])
+        self.hparams: dict = self.results.get("hparams", {})
+
+    def check_row(self, row: str) -> None:
+        if row not in self.rows:
+            raise NotServed(f"{self.workdir.root} has no row {row!r}; its rows are "
+                            f"{', '.join(self.rows)}.")
+
+    def settings(self, row: str, gnn_k: Optional[int] = None) -> RowSettings:
+        """The row's defaults: what the pipeline fitted on valid (``gnn_k``: the GNN-LM's
+        chosen evaluation k, for rows that read GNN-LM)."""
+        self.check_row(row)
+        fitted = self.hparams.get(row, {})
+        head = rows.head_of(row)
+        return RowSettings(
+            knn_k=fitted.get("k"), knn_temperature=fitted.get("temperature"),
+            lam=fitted.get("lambda"), gnn_k=gnn_k if head == rows.GNN else None)
+
+    def retrieval(self, row: str) -> tuple[str, str, str]:
+        """``(key, metric, scores)`` of the kNN-LM a row interpolates with."""
+        fitted = self.hparams[row]
+        key, metric = fitted["key"], fitted["similarity"]
+        scores = fitted.get("knn_scores")
+        if scores is None:  # a report written before it recorded the cache's setting
+            caches = sorted(self.workdir.root.glob(f"knn_cache/{key}-{metric}-*/test"))
+            if len(caches) != 1:
+                raise NotServed(f"{self.path} does not say which kNN cache its {row!r} row "
+                                f"read: rerun `gnnlm pipeline` (the finished stages are reused) "
+                                f"to record it.")
+            scores = read_manifest(caches[0], kind="knn_cache")["scores"]
+        return key, metric, scores
+
+    def head_folder(self, row: str) -> str:
+        """The ``models/`` folder of the head a row reads (``gnn+knn``: ``gnn``)."""
+        return rows.model_folder(rows.head_of(row))
+
+    def is_knn(self, row: str) -> bool:
+        """kNN-LM on the base LM: ``knn`` or ``knn[<key>]``."""
+        return row == rows.KNN or row.startswith(f"{rows.KNN}[")
