@@ -60,9 +60,10 @@ def time_decoding(lm, row: str, tokens: torch.Tensor, steps: int) -> tuple[float
 def peak_rss(workdir: str, row: str) -> float:
     """Peak RSS (MB) of a fresh process that loads the work directory and scores one next
     token under ``row``."""
-    code = (f"import resource, gnnlm; lm = gnnlm.load({workdir!r}); "
+    # VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's
+    code = (f"import re, gnnlm; lm = gnnlm.load({workdir!r}); "
             f"lm.next_token_logprobs('the game was released in', {row!r}); "
-            f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            f"print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     return int(out.stdout.split()[-1]) / 1024
@@ -112,7 +113,8 @@ def main() -> None:
               f"{r['tokens_per_s']:>8.0f} {r['prefill_ms']:>10.1f}")
     for m in memory:
         print(f"peak RSS, gnnlm.load + one distribution, {m['row']}: {m['peak_rss_mb']:.0f} MB")
-    print(f"(this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB)")
+    print(f"(this process, every row loaded: "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workdir": args.workdir, "prompt_tokens": args.prompt_tokens,

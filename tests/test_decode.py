@@ -21,7 +21,13 @@ from gnnlm.inference.served import NotServed
 from gnnlm.models.decode import StreamDecoder, stream_features, window_start
 from gnnlm.models.encode import sliding_windows
 from gnnlm.models.gpt import GPT, GPTConfig
-from gnnlm.retrieval.knn import knn_distribution, knn_logprob
+from gnnlm.retrieval.knn import (
+    interpolate,
+    interpolate_support,
+    knn_distribution,
+    knn_logprob,
+    knn_support,
+)
 from gnnlm.retrieval.search import RerankKeys, prepare_keys
 
 
@@ -165,6 +171,22 @@ def test_the_knn_distribution_sums_to_one_and_is_the_cached_path_at_the_target()
         torch.testing.assert_close(at_target[finite], cached[finite], atol=1e-6, rtol=0)
     nothing = knn_distribution(torch.full((1, 4), -math.inf), torch.full((1, 4), -1), 4, 1.0, V)
     assert torch.isneginf(nothing).all()                               # λ < 1: the LM's share
+
+
+def test_interpolating_at_the_knn_support_is_interpolating_the_whole_distribution():
+    g = torch.Generator().manual_seed(1)
+    N, K, V = 30, 12, 20
+    sims = torch.rand(N, K, generator=g)
+    values = torch.randint(0, 3, (N, K), generator=g)                  # words repeat, 0 often
+    sims[:5, 6:], values[:5, 6:] = -math.inf, -1                       # missing neighbours
+    lm = torch.log_softmax(torch.randn(N, V, generator=g), -1)
+    words, knn = knn_support(sims, values, 12, 0.1)
+    for lam in (0.0, 0.3, 1.0):
+        dense = interpolate(lm, knn_distribution(sims, values, 12, 0.1, V), lam)
+        sparse = interpolate_support(lm, words, knn, lam)
+        assert torch.equal(torch.isinf(dense), torch.isinf(sparse))
+        torch.testing.assert_close(sparse[torch.isfinite(dense)], dense[torch.isfinite(dense)],
+                                   atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("metric", ["cos", "ip", "l2"])

@@ -41,7 +41,7 @@ from gnnlm.models.base import BaseLM, Features, softcap
 from gnnlm.models.decode import StreamDecoder, stream_features
 from gnnlm.models.gpt import GPT, KVCache
 from gnnlm.pipeline import rows
-from gnnlm.retrieval.knn import interpolate, knn_distribution
+from gnnlm.retrieval.knn import interpolate, interpolate_support, knn_support
 from gnnlm.retrieval.lookup import stored
 
 if TYPE_CHECKING:
@@ -149,11 +149,10 @@ class Decoder:
         lm.served.check_row(row)
         self.lm, self.row, self.settings, self.incremental = lm, row, settings, incremental
         self.frozen = LMReader(lm.base_lm, lm, incremental)
-        head_row = rows.head_of(row)
+        on_base_lm = row == rows.BASE or lm.served.is_knn(row)
         self.knn = lm.served.retrieval(row) if lm.served.is_knn(row) or row == rows.GNN_KNN \
             else None
-        self.head = None if head_row in (rows.BASE, rows.KNN) or row.startswith(
-            f"{rows.KNN}[") else lm.head(head_row)
+        self.head = None if on_base_lm else lm.head(rows.head_of(row))
         self.gnn = GNNReader(lm, self.head, incremental) if isinstance(self.head, TrainedGNN) \
             else None
         self.tuned = LMReader(self.head.lm, lm, incremental) \
@@ -207,7 +206,7 @@ class Decoder:
         row = self.row
         if self.knn is not None:
             under = self.gnn_logprobs() if row == rows.GNN_KNN else self.base_logprobs()
-            return interpolate(under, self.knn_logprobs(), self.settings.weight)
+            return interpolate_support(under, *self.knn_support(), self.settings.weight)
         head_row = rows.head_of(row)
         if head_row != row:  # <head>+base: the head interpolated with the base LM
             return interpolate(self.base_logprobs(), self.head_logprobs(tokens),
@@ -220,15 +219,15 @@ class Decoder:
         assert self._features is not None
         return torch.log_softmax(self.lm.base_lm.logits(self._features.final[:, -1]).float(), -1)
 
-    def knn_logprobs(self) -> Tensor:
-        """The kNN distribution, log p_kNN [B, V], of the last position's neighbours."""
+    def knn_support(self) -> tuple[Tensor, Tensor]:
+        """p_kNN of the last position's neighbours where it is not zero: ``(words, log p)``
+        [B, k] (``gnnlm.retrieval.knn.knn_support``)."""
         assert self.knn is not None and self._features is not None
         key, metric, scores = self.knn
         sims, ids = (a[:, -1] for a in self.neighbours(key, metric))
         lookup = self.lm.lookup(key, metric)
         sims = lookup.knn_sims(self._last(key).numpy(), sims, ids, scores)
-        k, temperature = self.settings.knn()
-        return knn_distribution(sims, lookup.values(ids), k, temperature, self.lm.vocab_size)
+        return knn_support(sims, lookup.values(ids), *self.settings.knn())
 
     def _output(self, h: Tensor) -> Tensor:
         """log-softmax of ``h`` [B, d] through the base LM's output embedding."""

@@ -17,7 +17,7 @@ reads all of it, where gnnlm slides its windows.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from transformers import LogitsProcessor
@@ -25,7 +25,7 @@ from transformers import LogitsProcessor
 from gnnlm.inference.model import TrainedLM
 from gnnlm.inference.served import NotServed
 from gnnlm.models.hf import HFCausalLM
-from gnnlm.retrieval.knn import interpolate, knn_distribution
+from gnnlm.retrieval.knn import interpolate_support, knn_support
 from gnnlm.retrieval.lookup import stored
 
 
@@ -72,10 +72,10 @@ class KNNLogitsProcessor(LogitsProcessor):
         query = stored(features[:, -1].float().cpu().numpy())               # [B, d]
         sims, ids = self.lookup.search(query)
         sims = self.lookup.knn_sims(query, sims, ids, self.scores)
-        k, temperature = self.settings.knn()
-        knn = knn_distribution(sims, self.lookup.values(ids), k, temperature, scores.shape[-1])
+        words, knn = knn_support(sims, self.lookup.values(ids), *self.settings.knn())
         model = torch.log_softmax(scores.float(), dim=-1).cpu()
-        return interpolate(model, knn, self.settings.weight).to(scores.device, scores.dtype)
+        mixed = interpolate_support(model, words, knn, self.settings.weight)
+        return cast(torch.FloatTensor, mixed.to(scores.device, scores.dtype))
 
     def close(self) -> None:
         """Take the feature hooks off the model (it then generates as before)."""

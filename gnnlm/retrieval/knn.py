@@ -90,33 +90,65 @@ def knn_logprob(sims: Any, hits: Any, k: int, temperature: float) -> Any:
     return _like(out, sims, hits)
 
 
-def knn_distribution(sims: Any, values: Any, k: int, temperature: float,
-                     vocab_size: int) -> torch.Tensor:
-    """The kNN distribution: log p_kNN over the vocabulary, float32 [N, V], from the first k
-    of ``sims`` [N, K] and their ``values`` [N, K] (the train token after each neighbour; -1:
-    no neighbour).
+def knn_support(sims: Any, values: Any, k: int, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """p_kNN where it is not zero: ``(words [N, k], log p_kNN [N, k])``, the value of each of
+    the first k neighbours and the log-probability of that word (-inf at a missing neighbour,
+    whose word is 0), from ``sims`` [N, K] and ``values`` [N, K] (-1: no neighbour).
 
     p_kNN(w) sums softmax(s / T) over the neighbours whose value is w; here in log space, as
-    ``knn_logprob`` computes it for the target alone (so the two agree at the target): each
-    neighbour gets the logsumexp of the scores of the neighbours that share its value, minus
-    the logsumexp of all k, and the vocabulary row takes it at that value. The work is on the
-    k neighbours ([N, k, k]); the vocabulary is written once. Words no neighbour holds get
-    -inf; a row with no neighbour at all is -inf everywhere (interpolation with λ < 1 leaves
-    it the LM's share, as in ``knn_logprob``).
+    ``knn_logprob`` computes it for the target alone (so the two agree at the target): the
+    neighbours sorted by value, each run of one value is a word, whose log-probability is the
+    logsumexp of its scores minus the logsumexp of all k. Everything is [N, k]: the vocabulary
+    is not touched.
     """
     check_k(k, sims.shape[1])
     check_temperature(temperature)
     s = _tensor(sims, torch.float32)[:, :k] / temperature                 # [N, k]
     v = _tensor(values).to(torch.int64)[:, :k]
     valid = (v >= 0) & torch.isfinite(s)
-    s = s.masked_fill(~valid, -math.inf)
-    same = (v[:, :, None] == v[:, None, :]) & valid[:, None, :]           # [N, k, k]
-    word = torch.logsumexp(s[:, None, :].masked_fill(~same, -math.inf), dim=2)  # [N, k]
-    logp = word - torch.logsumexp(s, dim=1, keepdim=True)
-    # invalid neighbours write to a spare column, dropped after
-    column = torch.where(valid, v, torch.full_like(v, vocab_size))
-    out = torch.full((s.shape[0], vocab_size + 1), -math.inf)
-    return out.scatter_(1, column, logp.masked_fill(~valid, -math.inf))[:, :vocab_size]
+    words, order = torch.where(valid, v, -1).sort(dim=1)                   # -1s first
+    s = s.masked_fill(~valid, -math.inf).gather(1, order)
+    valid = valid.gather(1, order)
+    starts = torch.ones_like(valid)
+    starts[:, 1:] = words[:, 1:] != words[:, :-1]
+    run = starts.cumsum(1) - 1                                             # [N, k] run index
+    peak = torch.full_like(s, -math.inf).scatter_reduce(1, run, s, reduce="amax")
+    shift = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    mass = torch.zeros_like(s).scatter_add(1, run, torch.exp(s - shift.gather(1, run)))
+    logp = (torch.log(mass) + shift).gather(1, run) - torch.logsumexp(s, dim=1, keepdim=True)
+    return words.clamp(min=0), logp.masked_fill(~valid, -math.inf)
+
+
+def knn_distribution(sims: Any, values: Any, k: int, temperature: float,
+                     vocab_size: int) -> torch.Tensor:
+    """The kNN distribution: log p_kNN over the vocabulary, float32 [N, V] (``knn_support``
+    written out). Words no neighbour holds get -inf; a row with no neighbour at all is -inf
+    everywhere (interpolation with λ < 1 leaves it the LM's share, as in ``knn_logprob``)."""
+    words, logp = knn_support(sims, values, k, temperature)
+    # a missing neighbour (-inf at word 0) writes to a spare column, dropped after
+    words = torch.where(torch.isfinite(logp), words, torch.full_like(words, vocab_size))
+    out = torch.full((logp.shape[0], vocab_size + 1), -math.inf)
+    return out.scatter_(1, words, logp)[:, :vocab_size]
+
+
+def interpolate_support(lm_logprobs: torch.Tensor, words: torch.Tensor, knn: torch.Tensor,
+                        lam: float) -> torch.Tensor:
+    """``interpolate(lm_logprobs, knn_distribution(...), lam)`` [N, V] from ``knn_support``'s
+    ``(words, knn)``: the LM's share everywhere, kNN-LM's added at the ≤ k words it holds."""
+    check_lambda(lam)
+    out = lm_logprobs.float() + math.log1p(-lam) if lam < 1 else \
+        torch.full_like(lm_logprobs, -math.inf, dtype=torch.float32)
+    mixed = torch.logaddexp(out.gather(1, words), math.log(lam) + knn if lam > 0 else
+                            torch.full_like(knn, -math.inf))
+    # a missing neighbour (-inf at word 0) writes to a spare column, dropped after; the
+    # neighbours of one word all write its one mixed value
+    held = torch.isfinite(knn)
+    V = out.shape[1]
+    padded = torch.cat([out, out.new_full((out.shape[0], 1), -math.inf)], dim=1)
+    padded.scatter_(1, torch.where(held, words, torch.full_like(words, V)),
+                    mixed.masked_fill(~held, -math.inf))
+    return padded[:, :V]
 
 
 def interpolate(lm_logprob: Any, other_logprob: Any, lam: Any) -> Any:
