@@ -7,8 +7,8 @@ protocol (``gnnlm.models.decode``):
 
 - the base LM's features and log-softmax (the ``base`` row);
 - one search of the new position's feature, as the pipeline searched
-  (``gnnlm.retrieval.lookup``): kNN-LM's p_kNN over the vocabulary
-  (``gnnlm.retrieval.knn.knn_distribution``, Khandelwal et al. 2020), interpolated in log space;
+  (``gnnlm.retrieval.lookup``): kNN-LM's p_kNN on the words its neighbours hold
+  (``gnnlm.retrieval.knn.knn_support``, Khandelwal et al. 2020), interpolated in log space;
 - GNN-LM's context node of the new position in its block, reading its k windows
   (``gnnlm.gnn.incremental``, Meng et al. 2022 §2);
 - SPALM's gate over the retrieved next tokens' embeddings (Yogatama et al. 2021 §2), on the
@@ -20,7 +20,7 @@ protocol (``gnnlm.models.decode``):
 current windows or segments, GNN-LM's context nodes of the current block. ``incremental=False``
 recomputes everything each time from the stream (the base LM's windows, GNN-LM's block through
 ``WindowStates.forward``, SPALM's segments), which is what ``next_token_logprobs`` does; the two
-agree to float rounding at every step (``tests/test_generate.py``).
+agree to float rounding at every step (``tests/test_inference.py``).
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ kNN-LM (Khandelwal et al. 2020; Meng et al. 2022 eq. 5; Xu et al. 2023 eq. 2-3, 
 with s_i the similarity of the i-th neighbour (higher is better: cos, ip or −squared l2) and
 v_i its value (the train token after it). Only the target's probability matters for perplexity,
 so scoring works on ``hits`` [N, K] (v_i == target) instead of vocabulary-sized tensors;
-``knn_distribution`` forms the whole distribution, which generation samples from.
+``knn_support`` forms the distribution where it is not zero (at most k words), which
+generation interpolates with the LM's and samples from; ``knn_distribution`` writes it out over
+the vocabulary.
 The arrays come from a kNN cache (``gnnlm.retrieval.knn_cache``) or from any mapping with
 ``lm_logprob`` [N], ``sims`` [N, K] and ``hits`` [N, K].
 
