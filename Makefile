@@ -1,5 +1,5 @@
 # make test       — set up .venv (torch first, pinned) and run the whole test suite (what CI runs)
-# make test-unit  — the fast edit loop (about 75 s): every test but the WikiText-2 pipeline
+# make test-unit  — the fast edit loop (about 2 min): every test but the WikiText-2 pipeline
 #                   integration and the builds on several processes
 # make lint       — ruff (style, import order, docstrings) and mypy (pyproject.toml says which
 #                   modules: all but the Lightning glue)
