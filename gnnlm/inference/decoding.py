@@ -160,7 +160,10 @@ class Decoder:
         self.segments = SegmentReader(self.head, incremental) \
             if isinstance(self.head, SegmentSpalm) else None
         self.length = 0
-        self._features: Optional[Features] = None   # the frozen LM's, positions ``_first`` on
+        # the frozen LM's features of positions ``_first`` on, read when a row first asks: the
+        # tokens wait in ``_pending`` (a row that reads neither them nor retrieval never runs it)
+        self._features: Optional[Features] = None
+        self._pending: list[Tensor] = []
         self._first = 0
         self._found: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -177,15 +180,22 @@ class Decoder:
         self.lm.note_slide(self.length)
         # GNN-LM reads every context node of the last position's block; the rest its last only
         lo = last if self.gnn is None else max(first, last - last % self.gnn.block_size)
-        self._features, self._first, self._found = self.frozen.append(tokens, lo), lo, {}
+        self._pending.append(tokens)
+        self._features, self._first, self._found = None, lo, {}
         with torch.no_grad():
             return self.logprobs(tokens).float()
+
+    def features(self) -> Features:
+        """The frozen LM's features [B, n, d] of the positions from ``_first`` on."""
+        if self._features is None:
+            self._features = self.frozen.append(torch.cat(self._pending, dim=1), self._first)
+            self._pending = []
+        return self._features
 
     def neighbours(self, key: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
         """``(sims, ids)`` [B, n, K] of the positions read since ``_first`` (searched once)."""
         if (key, metric) not in self._found:
-            assert self._features is not None
-            queries = getattr(self._features, key)                       # [B, n, d]
+            queries = getattr(self.features(), key)                      # [B, n, d]
             B, n, d = queries.shape
             sims, ids = self.lm.lookup(key, metric).search(queries.reshape(B * n, d).numpy())
             self._found[(key, metric)] = sims.reshape(B, n, -1), ids.reshape(B, n, -1)
@@ -193,8 +203,7 @@ class Decoder:
 
     def _last(self, key: str) -> Tensor:
         """The frozen LM's ``key`` feature at the last position, as stored [B, d]."""
-        assert self._features is not None
-        return torch.from_numpy(stored(getattr(self._features, key)[:, -1].numpy()))
+        return torch.from_numpy(stored(getattr(self.features(), key)[:, -1].numpy()))
 
     def _values(self, key: str, metric: str, k: int) -> Tensor:
         """The values of the last position's first ``k`` neighbours [B, k] (-1: none)."""
@@ -216,13 +225,12 @@ class Decoder:
         return self.head_logprobs(tokens)
 
     def base_logprobs(self) -> Tensor:
-        assert self._features is not None
-        return torch.log_softmax(self.lm.base_lm.logits(self._features.final[:, -1]).float(), -1)
+        return torch.log_softmax(self.lm.base_lm.logits(self.features().final[:, -1]).float(), -1)
 
     def knn_support(self) -> tuple[Tensor, Tensor]:
         """p_kNN of the last position's neighbours where it is not zero: ``(words, log p)``
         [B, k] (``gnnlm.retrieval.knn.knn_support``)."""
-        assert self.knn is not None and self._features is not None
+        assert self.knn is not None
         key, metric, scores = self.knn
         sims, ids = (a[:, -1] for a in self.neighbours(key, metric))
         lookup = self.lm.lookup(key, metric)
@@ -238,8 +246,7 @@ class Decoder:
     def gnn_logprobs(self) -> Tensor:
         assert isinstance(self.head, TrainedGNN) and self.gnn is not None
         gnn, k = self.head, int(self.settings.gnn_k or self.head.graph.k)
-        assert self._features is not None
-        ctx = torch.from_numpy(stored(getattr(self._features, gnn.key).numpy()))  # [B, n, d]
+        ctx = torch.from_numpy(stored(getattr(self.features(), gnn.key).numpy()))  # [B, n, d]
         ids = self.neighbours(gnn.key, gnn.metric)[1]                      # [B, n, K]
         retrieved = torch.from_numpy(select_neighbors(ids.reshape(-1, ids.shape[-1]), k))
         h = self.gnn.append(self._first, ctx, retrieved.view(*ids.shape[:2], k))
