@@ -1,15 +1,30 @@
 """Hand-made artifacts for unit tests: a features datastore like ``build_features`` writes, the
 base LM's output embedding, a ``gnnlm fit``-style checkpoint of a tiny built-in LM, a corpus
-folder; and ``error_of``, which runs ``gnnlm`` and returns its one error line."""
+folder; ``randomise``, a GNN stack with no parameter at its initial value; and ``error_of``,
+which runs ``gnnlm`` and returns its one error line."""
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
+import torch
 
 from gnnlm.cli import main
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.artifacts import MANIFEST_SHA256, ArtifactBuilder
+
+
+def as_older_code_wrote_it(path, edit) -> dict:
+    """Rewrite the manifest of the artifact at ``path`` as an older gnnlm wrote it: ``edit``
+    applied to it (a function of the dict), and without the checksum of its own content, which
+    older manifests did not have. Returns the manifest written."""
+    file = path / "manifest.json"
+    manifest = json.loads(file.read_text())
+    edit(manifest)
+    manifest.pop(MANIFEST_SHA256, None)
+    file.write_text(json.dumps(manifest))
+    return manifest
 
 
 def write_features(path, final, att=None, targets=None, lm_logprob=None,
@@ -90,3 +105,26 @@ def write_corpus(root, **splits):
         text = splits.get(split, "the cat sat on the mat\n")
         (root / f"{split}.txt").write_bytes(text if isinstance(text, bytes) else text.encode())
     return root
+
+
+def randomise(stack, seed=0):
+    """Every parameter of a ``GNNStack`` random, the initial identities included: W^ATT and
+    W^FEA start at I and μ at 1 for every relation (eq. 2–3), which would hide a path that reads
+    one relation's (or edge type's) parameters for another's. Scaled to keep the softmax away
+    from one-hot."""
+    g = torch.Generator().manual_seed(seed)
+
+    def noise(p, scale):
+        return scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
+
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            if ".w_att." in name or ".w_fea." in name:               # [H, D_h, D_h]
+                p.copy_(noise(p, 1 / p.shape[-1] ** 0.5))
+            elif ".mu." in name:                                      # [H], per edge type
+                p.copy_(0.5 + 1.5 * torch.rand(p.shape, generator=g, dtype=p.dtype))
+            elif ".norm." in name:                                    # LayerNorm weight, bias
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + noise(p, 0.3))
+            else:                                                     # W^q, W^k, W^v, W^o
+                p.copy_(noise(p, 1 / p.shape[-1] ** 0.5))
+    return stack

@@ -1,15 +1,20 @@
 """Artifact folders: skip, refuse, resume, rebuild, and the messages that explain them."""
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
+from fakes import error_of
 
+from gnnlm.utils.provenance import code_version
 from gnnlm.workdir.artifacts import (
+    MANIFEST_SHA256,
     ArtifactBuilder,
     ArtifactError,
     check_inputs,
     differences,
+    manifest_digest,
     open_array,
     read_manifest,
 )
@@ -169,3 +174,59 @@ def test_rebuild_restarts_an_unfinished_build(tmp_path):
     _chunked(tmp_path / "x", stop_after=3)
     _, seen, manifest = _chunked(tmp_path / "x", rebuild=True)
     assert seen == [0, 1, 2, 3, 4] and manifest["total"] == 10
+
+
+def _read_during_build(reader, source):
+    """An artifact at ``reader`` whose build opens an array of ``source`` (whose manifest is
+    read deep inside ``open_array``, as data modules do)."""
+    builder = ArtifactBuilder(reader, kind="reader", config={})
+    if builder.is_complete():
+        return None
+    with builder:
+        values = np.asarray(open_array(source, "values"))
+        builder.array("sum", np.float32, (1,))[0] = values.sum()
+        return builder.finish()
+
+
+def test_a_build_records_what_it_read_and_is_refused_once_that_is_rebuilt_otherwise(tmp_path,
+                                                                                    capsys):
+    source, reader = tmp_path / "a", tmp_path / "nested" / "b"
+    _build(source)
+    before = read_manifest(source)["fingerprint"]
+    manifest = _read_during_build(reader, source)
+    assert manifest["reads"] == {"../../a": before}  # relative: the folder can move
+    assert _read_during_build(reader, source) is None                 # same source: reused
+    rebuilt = ArtifactBuilder(source, kind="demo", config={"n": 9}, rebuild=True)
+    assert not rebuilt.is_complete()
+    with rebuilt:
+        rebuilt.array("values", np.float32, (4, 3))[:] = 1
+        after = rebuilt.finish()["fingerprint"]
+    with pytest.raises(ArtifactError) as err:
+        _read_during_build(reader, source)
+    assert str(err.value) == (
+        f"{reader} was made from artifacts since rebuilt with other settings ({source}: "
+        f"fingerprint {before} → {after}). Rerun with --rebuild=[reader] or delete {reader}.")
+    assert error_of(["verify", str(tmp_path)], capsys) == (
+        f"gnnlm verify: error: 1 of 2 artifacts in {tmp_path} are damaged: made from {source}: "
+        f"fingerprint {before} → {after}, since rebuilt. Rerun with --rebuild=[reader] or "
+        f"delete {reader}.")
+    shutil.rmtree(source)
+    with pytest.raises(ArtifactError, match=rf"\({re.escape(str(source))}: fingerprint "
+                                            rf"{before} → no complete artifact\)"):
+        _read_during_build(reader, source)
+
+
+def test_a_manifest_records_its_code_and_its_own_checksum(tmp_path):
+    _build(tmp_path / "a")
+    manifest = read_manifest(tmp_path / "a")
+    assert manifest["made_by"] == code_version() and manifest["reads"] == {}
+    assert manifest[MANIFEST_SHA256] == manifest_digest(manifest)
+    file = tmp_path / "a" / "manifest.json"
+    file.write_text(file.read_text().replace('"n": 8', '"n": 9'))      # a number edited
+    with pytest.raises(ArtifactError) as err:
+        read_manifest(tmp_path / "a")
+    assert str(err.value) == (
+        f"{file} was edited after it was written (its content no longer matches its "
+        f"manifest_sha256). Rerun with --rebuild=[demo] or delete {tmp_path / 'a'}.")
+    with pytest.raises(ArtifactError, match="was edited after it was written"):
+        _build(tmp_path / "a")

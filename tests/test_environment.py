@@ -1,15 +1,19 @@
-"""The records beside every result: the machine and versions (``gnnlm.utils.environment``) and
-this run's wall time of each stage (``gnnlm.pipeline.stage_times``)."""
+"""The records beside every result: the machine and versions (``gnnlm.utils.environment``), the
+code (``gnnlm.utils.provenance``) and this run's wall time of each stage
+(``gnnlm.pipeline.stage_times``)."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import subprocess
 
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from gnnlm.pipeline.stage_times import StageTimes, timed
-from gnnlm.utils import environment
+from gnnlm.utils import environment, provenance
 
 
 def test_describe_names_the_device_and_the_installed_versions():
@@ -47,3 +51,23 @@ def test_stages_are_timed_only_inside_a_timed_run_and_only_when_they_finish(tmp_
     assert json.loads((tmp_path / "stage_times.json").read_text()) == record
     assert record["environment"] == {"device": "cpu"} and len(record["stages"]) == 2
     assert record["total_seconds"] >= sum(s["seconds"] for s in record["stages"])
+
+
+def test_code_version_names_the_checkout_s_commit_and_its_changes():
+    provenance.code_version.cache_clear()
+    made_by = provenance.code_version()
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert made_by == {"gnnlm": importlib.metadata.version("gnnlm"),
+                       "commit": git("rev-parse", "HEAD"),
+                       "dirty": bool(git("status", "--porcelain"))}
+
+
+def test_a_folder_that_is_not_a_checkout_s_top_has_no_commit(tmp_path):
+    """gnnlm installed into a virtual environment inside some project's checkout is not that
+    project's code: only the checkout whose top folder holds the package counts."""
+    assert provenance._checkout(REPO / "gnnlm") == (None, None)
+    assert provenance._checkout(tmp_path) == (None, None)

@@ -3,11 +3,10 @@ its YAMLs (not their text), a Hugging Face tokenizer by its vocabulary and rules
 work directories recorded the older way are reused; a refusal stays one short line."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
-from fakes import write_corpus
+from fakes import as_older_code_wrote_it, write_corpus
 from families import FAMILIES, save_family, train_bpe
 
 from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, fingerprint, read_manifest
@@ -144,11 +143,8 @@ def test_a_changed_value_is_refused_naming_that_field(work):
 def _as_recorded_before(path, config: dict) -> dict:
     """Rewrite the manifest at ``path`` as the previous version wrote it: ``config`` and its
     fingerprint."""
-    manifest = read_manifest(path)
-    manifest.update(config=config, fingerprint=fingerprint(manifest["kind"], config,
-                                                           manifest["inputs"]))
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
+    return as_older_code_wrote_it(path, lambda manifest: manifest.update(
+        config=config, fingerprint=fingerprint(manifest["kind"], config, manifest["inputs"])))
 
 
 def test_a_trained_part_recorded_with_its_yaml_texts_is_reused_by_value(work, capsys):

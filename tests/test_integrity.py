@@ -121,6 +121,7 @@ def write_features_again(wd):
 def strip_checksums(folder):
     manifest = read_manifest(folder)
     manifest.pop("files")
+    manifest.pop(artifacts.MANIFEST_SHA256)
     for spec in manifest["arrays"].values():
         spec.pop("sha256")
     write_json_atomic(folder / "manifest.json", manifest)
@@ -184,6 +185,24 @@ def test_verify_names_every_bad_file_and_how_to_rebuild_it(wd, capsys):
            f"sha256 in its manifest" in lines
     assert lines[-1].startswith("8 artifacts: 5 ok, 0 with no checksum recorded, 3 bad; "
                                 "0 unfinished; ")
+
+
+def test_an_edited_manifest_is_caught_like_a_flipped_byte(wd, capsys):
+    """A number kept in a manifest, edited after the build (the neighbours' depth K), is refused
+    by the run that would reuse the stage and by verify: one line naming the file and the
+    ``--rebuild`` that remakes it. The caches made from those neighbours are not blamed."""
+    neighbors = wd.neighbors("final", "cos", "valid")
+    file = neighbors / "manifest.json"
+    manifest = json.loads(file.read_text())
+    manifest["K"] = 8
+    write_json_atomic(file, manifest)
+    said = (f"{file} was edited after it was written (its content no longer matches its "
+            f"manifest_sha256). Rerun with --rebuild=[neighbors] or delete {neighbors}.")
+    with pytest.raises(ArtifactError) as err:
+        build_neighbors(wd, "valid", "final", "cos", NeighborsConfig(K=16))
+    assert str(err.value) == said
+    assert error_of(["verify", str(wd.root)], capsys) == (
+        f"gnnlm verify: error: 1 of 8 artifacts in {wd.root} are damaged: {said}")
 
 
 def test_verify_follows_artifacts_linked_in_from_another_work_directory(wd, tmp_path, capsys):

@@ -1,7 +1,6 @@
 """The per-token kNN-LM cache against recomputation from the features and neighbours."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import faiss
@@ -196,10 +195,9 @@ def test_caches_built_before_the_fields_read_their_neighbours(caches, tmp_path):
     other = copy_inputs(wd, tmp_path / "w")
     path = other.knn_cache("final", "l2", "faiss", "valid")
     shutil.copytree(wd.knn_cache("final", "l2", "faiss", "valid"), path)
-    manifest = json.loads((path / "manifest.json").read_text())
-    for name in ("nprobe", "rerank", "scores_are_exact"):  # what the old code wrote lacked them
-        del manifest[name]
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    # what the old code wrote lacked them
+    fakes.as_older_code_wrote_it(path, lambda manifest: [manifest.pop(name) for name in (
+        "nprobe", "rerank", "scores_are_exact")])
     old = open_knn_cache(path)[0]
     assert search_facts(old, other) == {"backend": "index", "factory": "IVF8,PQ4x4np",
                                         "nprobe": 1, "rerank": 0.0, "scores_are_exact": False}

@@ -13,6 +13,7 @@ from gnnlm.models import protocols
 from gnnlm.pipeline import rows
 from gnnlm.pipeline.report import recall_buckets
 from gnnlm.pipeline.results import KeyRetrieval, Results
+from gnnlm.utils.provenance import code_version
 from gnnlm.workdir.artifacts import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
 
@@ -219,6 +220,8 @@ def _results(tmp_path) -> tuple[Workdir, Results]:
 
     xl = protocols.segments(8, 2, 8)
     heads = {"gnn": _trained(wd, "gnn", False, train_seconds=12.0, model_class="GNNLM",
+                             training={"steps": 50, "max_steps": 50, "stopped_by": "max_steps",
+                                       "resumed_from_steps": [40]},
                              eval_k={"chosen": 4, "valid_ppl": {"2": 9.0, "4": 8.0},
                                      "seconds": {"2": 0.5, "4": 0.75}},
                              metrics={"leakage/windows_dropped": 0.125, "train/loss": 3.0}),
@@ -237,7 +240,9 @@ def _results(tmp_path) -> tuple[Workdir, Results]:
     results = Results(
         name="run", dataset="tiny", level="word",
         base_lm={"name": "gpt", "fingerprint": "abc", "vocab_size": 20, "hidden_size": 4},
-        base_lm_manifest={"train_seconds": 9.0}, features=features, scores=scores, heads=heads,
+        base_lm_manifest={"train_seconds": 9.0, "training": {
+            "steps": 150, "max_steps": 2000, "stopped_by": "max_time", "resumed_from_steps": []}},
+        features=features, scores=scores, heads=heads,
         retrieval={"final": KeyRetrieval(index, neighbours,
                                          {"valid": {"seconds": 0.25}, "test": {"seconds": 0.5}})},
         pq={"seconds": 3.0}, knn_recall=rng.integers(0, 5, SIZES["test"]),
@@ -273,6 +278,32 @@ def test_the_report_reads_the_pipeline_s_results(tmp_path):
     assert report["deviations"] == {"learned_wds": ["made up"]}
     with np.load(out / "test_logprobs.npz") as saved:
         assert sorted(saved.files) == sorted(results.scores)
+
+
+def test_the_report_says_which_code_wrote_it_and_which_trainings_were_not_one_run(tmp_path,
+                                                                                  capsys):
+    from gnnlm.pipeline.report import print_table, write_report
+
+    wd, results = _results(tmp_path)
+    report = write_report(wd, results)
+    assert report["made_by"] == code_version()
+    assert report["training_notes"] == [
+        {"row": "base", "steps": 150, "max_steps": 2000, "stopped_by": "max_time",
+         "resumed_from_steps": []},
+        {"row": "gnn", "steps": 50, "max_steps": 50, "stopped_by": "max_steps",
+         "resumed_from_steps": [40]}]
+    said = ["base LM: stopped by max_time at step 150 of max_steps 2000",
+            "+GNN: resumed from step 40"]
+    markdown = (wd.report("run") / "results.md").read_text()
+    assert "Not trained in one uninterrupted run:\n\n" + "".join(
+        f"- {line}\n" for line in said) in markdown
+    assert markdown.endswith(f"\nWritten by gnnlm {code_version()['gnnlm']}, commit "
+                             f"{code_version()['commit'][:12]}"
+                             f"{' with uncommitted changes' if code_version()['dirty'] else ''}"
+                             f".\n")
+    print_table(report, wd)
+    assert "Not trained in one uninterrupted run:\n" + "".join(
+        f"  {line}\n" for line in said) in capsys.readouterr().out
 
 
 def test_every_spalm_row_gets_the_gate_per_token_analysis(tmp_path):

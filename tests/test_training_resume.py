@@ -70,13 +70,17 @@ class Counter(Callback):
             raise RuntimeError("killed")
 
 
-def fit(monkeypatch, root, name="lm", lr=0.01, kill_at=None):
-    """``fit_with_cli`` of the tiny config into ``root/work``: (manifest or None, steps this run
-    took, what it said on stderr)."""
+def fit(monkeypatch, root, name="lm", lr=0.01, kill_at=None, overlay=None):
+    """``fit_with_cli`` of the tiny config (and the YAML text ``overlay``) into ``root/work``:
+    (manifest or None, steps this run took, what it said on stderr)."""
     yaml_file = root / f"tiny-{lr}.yaml"
     corpus = write_corpus(root / "corpus", train=" ".join(
         f"w{i % 37} the cat sat" for i in range(200)) + "\n")
     yaml_file.write_text(TINY.format(steps=STEPS, lr=lr, corpus=corpus))
+    configs = [str(yaml_file)]
+    if overlay is not None:
+        (root / "overlay.yaml").write_text(overlay)
+        configs.append(str(root / "overlay.yaml"))
     counter = Counter(kill_at)
 
     def instantiate(*args, **kwargs):
@@ -89,8 +93,7 @@ def fit(monkeypatch, root, name="lm", lr=0.01, kill_at=None):
     err = io.StringIO()
     manifest = None
     with contextlib.redirect_stderr(err), contextlib.suppress(RuntimeError):
-        manifest = runner.fit_with_cli(Workdir(root / "work"), name, [str(yaml_file)], {},
-                                       predict=False)
+        manifest = runner.fit_with_cli(Workdir(root / "work"), name, configs, {}, predict=False)
     monkeypatch.setattr(runner, "instantiate_fit", instantiate_fit)
     return manifest, counter.steps, err.getvalue()
 
@@ -144,6 +147,18 @@ def test_a_killed_fit_resumes_from_its_last_checkpoint(monkeypatch, tmp_path, un
     # (Lightning restores no DataLoader position), so the weights are close, not equal
     assert manifest["metrics"]["val/ppl"] == pytest.approx(ref["metrics"]["val/ppl"], rel=0.2)
     assert not resume.exists()                   # a complete build keeps no resume checkpoint
+    # and the manifest says so, where the uninterrupted one says it was not
+    assert manifest["training"] == {"steps": STEPS, "max_steps": STEPS,
+                                    "stopped_by": "max_steps", "resumed_from_steps": [9]}
+    assert ref["training"]["resumed_from_steps"] == []
+
+
+def test_a_fit_cut_short_by_max_time_records_the_step_it_reached(monkeypatch, tmp_path):
+    manifest, steps, _ = fit(monkeypatch, tmp_path, overlay="trainer:\n  max_steps: 100000\n"
+                                                            "  max_time: '00:00:00:01'\n")
+    assert manifest["training"] == {"steps": steps, "max_steps": 100000,
+                                    "stopped_by": "max_time", "resumed_from_steps": []}
+    assert 0 < steps < 100000 and state(tmp_path)["global_step"] == steps
 
 
 def test_another_config_never_resumes_a_foreign_checkpoint(monkeypatch, tmp_path):

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from conftest import REPO
-from fakes import error_of, write_corpus
+from fakes import as_older_code_wrote_it, error_of, write_corpus
 from families import FAMILIES, save_family, train_bpe
 
 from gnnlm.pipeline.config import load_config
@@ -220,9 +220,7 @@ def test_a_hugging_face_folder_refuses_older_tokens_of_another_vocabulary(wikite
     wd = Workdir(tmp_path / "w")
     build_tokens(wd.tokens, "c", str(corpus), None,
                  TokenizerConfig(kind="hf", path=str(tmp_path / "other.json")))
-    manifest = json.loads((wd.tokens / "manifest.json").read_text())
-    del manifest["vocab_fingerprint"]
-    (wd.tokens / "manifest.json").write_text(json.dumps(manifest))
+    as_older_code_wrote_it(wd.tokens, lambda manifest: manifest.pop("vocab_fingerprint"))
     line = error_of(["pipeline", "-c", "configs/tests/hf_family.yaml", f"--workdir={wd.root}",
                      f"--base_lm.ckpt=hf:{folder}", f"--corpus.path={corpus}",
                      "--corpus.name=c", f"--corpus.tokenizer.path={tmp_path / 'other.json'}"],

@@ -6,7 +6,8 @@ row records how its tokens were scored (``gnnlm.models.protocols``): rows read w
 windows or segments go in separate tables, each headed by its protocol and the left context it
 gives. Above them, the data's checks (``gnnlm.pipeline.data_checks``: unknown tokens, near-copies of
 valid/test in the datastore) and, when something makes the numbers untrustworthy, one Warnings
-block. Below them, the papers' analyses: kNN recall buckets (Meng et al. 2022), GNN-LM's
+block. Under them, the trained parts whose training was resumed or cut short by ``max_time``.
+Below those, the papers' analyses: kNN recall buckets (Meng et al. 2022), GNN-LM's
 evaluation k, and for every SPALM row the mean gate per token, its k curve and frequency
 buckets (Yogatama et al. 2021; ``gnnlm.spalm.analysis``).
 
@@ -29,6 +30,7 @@ from gnnlm.spalm.analysis import markdown as spalm_markdown
 from gnnlm.spalm.analysis import results_section as spalm_section
 from gnnlm.utils import environment
 from gnnlm.utils.metrics import ppl_from_logprobs
+from gnnlm.utils.provenance import code_version
 from gnnlm.workdir.artifacts import write_json_atomic
 from gnnlm.workdir.layout import Workdir
 
@@ -218,6 +220,43 @@ def data_line(results: dict) -> str:
     return line + "."
 
 
+def training_notes(results: Results) -> list[dict]:
+    """The trained parts (the base LM trained here, the heads) whose training was not one run to
+    its end: resumed after a stop (weights, optimiser and loop counters are restored, so the
+    result is close to an uninterrupted run's, not equal to it), or stopped by ``max_time``
+    before ``max_steps``. Each: the row and its manifest's ``training`` record."""
+    parts = {rows.BASE: results.base_lm_manifest, **results.heads}
+    notes = []
+    for name, manifest in parts.items():
+        training = manifest.get("training") or {}
+        if training.get("resumed_from_steps") or training.get("stopped_by") == "max_time":
+            notes.append({"row": name, **training})
+    return notes
+
+
+def training_lines(results: dict) -> list[str]:
+    """One line per ``training_notes`` entry of a report."""
+    lines = []
+    for note in results.get("training_notes") or []:
+        said = []
+        if note.get("resumed_from_steps"):
+            said.append("resumed from step " + ", ".join(map(str, note["resumed_from_steps"])))
+        if note.get("stopped_by") == "max_time":
+            said.append(f"stopped by max_time at step {note['steps']} of max_steps "
+                        f"{note['max_steps']}")
+        lines.append(f"{_label(results, note['row'])}: {'; '.join(said)}")
+    return lines
+
+
+def made_by_line(made_by: dict) -> str:
+    """The code a report or an artifact came from, in words."""
+    line = f"gnnlm {made_by.get('gnnlm')}"
+    if made_by.get("commit"):
+        line += (f", commit {made_by['commit'][:12]}"
+                 f"{' with uncommitted changes' if made_by.get('dirty') else ''}")
+    return line
+
+
 def _markdown(results: dict) -> str:
     lines = [f"# {results['name']}: {results['dataset']}", "",
              f"Test tokens: {results['tokens']:,}, every one scored once by every row; rows "
@@ -230,6 +269,9 @@ def _markdown(results: dict) -> str:
     lines += [f"Base LM: {base_lm_line(results['base_lm'])}.", ""]
     for protocol, names in protocol_tables(results):
         lines += _table_markdown(results, protocol, names) + [""]
+    if results.get("training_notes"):
+        lines += ["Not trained in one uninterrupted run:", ""]
+        lines += [f"- {line}" for line in training_lines(results)] + [""]
     lines.pop()
     lines += ["", "Interpolation hyper-parameters (fitted on valid):", ""]
     for name, hp in results["hparams"].items():
@@ -265,6 +307,8 @@ def _markdown(results: dict) -> str:
                                                          results["timing_s"].items())]
     if results.get("environment"):
         lines += ["", f"Report written on: {environment.one_line(results['environment'])}."]
+    if results.get("made_by"):
+        lines += ["", f"Written by {made_by_line(results['made_by'])}."]
     lines.append("")
     return "\n".join(lines)
 
@@ -328,6 +372,8 @@ def write_report(workdir: Workdir, results: Results) -> dict:
         report["environment"] = results.environment
     report.update(results.data_checks)
     report["warnings"] = _warnings(report, results.heads)
+    report["training_notes"] = training_notes(results)
+    report["made_by"] = code_version()
     if results.level == "char":
         report["bpc"] = {name: float(np.log2(p)) for name, p in report["ppl"].items()}
     report.update(_analyses(workdir, results, out))
@@ -414,6 +460,10 @@ def print_table(results: dict, workdir: Workdir) -> None:
             left = results["mean_left_context"].get(name)
             print(f"  {_label(results, name):<44} {'' if left is None else f'{left:.1f}':>8} "
                   f"{'' if valid is None else f'{valid:.2f}':>10} {results['ppl'][name]:10.2f}")
+    if results.get("training_notes"):
+        print("Not trained in one uninterrupted run:")
+        for line in training_lines(results):
+            print(f"  {line}")
     if "unk_share" in results:
         print(data_line(results))
     if results.get("warnings"):

@@ -125,6 +125,7 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
                             weights_only=True)
         if cli.trainer.interrupted:  # e.g. a signal Lightning handled: the build is not done
             raise KeyboardInterrupt(f"training {name} was interrupted")
+        training = how_training_ended(cli.trainer, builder.progress.get("training") or {})
         restore_best_weights(cli)
         metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
         kept = keep_initial_weights(cli, start, run.last_validation, builder)
@@ -132,7 +133,8 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
             metrics.update(kept)
         cli.trainer.save_checkpoint(builder.file("model.ckpt"))
         extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
-                 "metrics": metrics, "model_class": type(cli.model).__name__}
+                 "metrics": metrics, "model_class": type(cli.model).__name__,
+                 "training": training}
         if start is not None:
             extra["valid_before_training"] = {start["metric"]: start["score"]}
             extra["kept_initial_weights"] = kept is not None
@@ -237,8 +239,11 @@ class TrainingRun:
         before training (``{"metric", "mode", "score"}``) or None."""
         training = dict(self.builder.progress.get("training") or {})
         if self.resume_from is not None:
-            say(f"[gnnlm] resuming {self.name} from step {checkpoint_step(self.resume_from)} "
-                f"({self.resume_from})")
+            step = checkpoint_step(self.resume_from)
+            say(f"[gnnlm] resuming {self.name} from step {step} ({self.resume_from})")
+            # a resumed fit ends close to an uninterrupted one, not equal to it: say so
+            training["resumed_from_steps"] = [*training.get("resumed_from_steps", []), step]
+            self.builder.save_progress(training=training)
             return training.get("initial")
         initial = validate_before_training(self.trainer, model, datamodule,
                                            self.builder.file(INITIAL_WEIGHTS))
@@ -251,6 +256,28 @@ class TrainingRun:
     def clean_up(self) -> None:
         """After the build is complete: its resume checkpoint serves nothing any more."""
         shutil.rmtree(self.resume_dir, ignore_errors=True)
+
+
+def how_training_ended(trainer, training: dict) -> dict:
+    """What the manifest records of how a fit went: the optimiser steps it took, the steps it
+    was resumed from (``TrainingRun.start``), and ``stopped_by``: "max_time" when the time limit
+    ended it before ``max_steps`` (its weights are then those of a shorter training than the
+    config names), else "max_steps", "max_epochs" or "early stopping"."""
+    from pytorch_lightning.callbacks import Timer
+
+    steps, max_steps = int(trainer.global_step), trainer.max_steps
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    remaining = timer.time_remaining() if timer is not None else None
+    if max_steps is not None and 0 <= max_steps <= steps:
+        stopped_by = "max_steps"
+    elif remaining is not None and remaining <= 0:
+        stopped_by = "max_time"
+    elif trainer.max_epochs is not None and trainer.current_epoch >= trainer.max_epochs:
+        stopped_by = "max_epochs"
+    else:
+        stopped_by = "early stopping"
+    return {"steps": steps, "max_steps": max_steps, "stopped_by": stopped_by,
+            "resumed_from_steps": list(training.get("resumed_from_steps", []))}
 
 
 def checkpoint_step(path: str | Path) -> int:

@@ -11,7 +11,16 @@ beside it instead; ``attach`` opens the arrays in every rank.
 Readers take shapes and dtypes from the manifest, never from flags, and refuse files whose size
 does not match it (a truncated memmap). The manifest also records the sha256 of every file, so
 that bytes changed after the build (a disk fault, a copy cut short, an edit) are caught when a
-run reuses the artifact (files up to ``REUSE_CHECK_BYTES``) and by ``gnnlm verify`` (all).
+run reuses the artifact (files up to ``REUSE_CHECK_BYTES``) and by ``gnnlm verify`` (all), and
+the sha256 of its own content (``manifest_sha256``), so that a number kept in it (a chosen k, a
+metric, a table) cannot be edited unseen: every read checks it.
+
+A manifest also says what the artifact was made from and by: ``reads``, the fingerprint of every
+other artifact whose manifest was read while it was built (inside ``with builder``; recorded by
+``read_manifest`` itself, so whatever a trained part's data module and model open is in it),
+checked again whenever the artifact is reused and by ``gnnlm verify``; and ``made_by``, the code
+(``gnnlm.utils.provenance``). What a stage reads before it builds, to name its inputs, is in its
+``inputs`` (part of its fingerprint) instead.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 
 from gnnlm.utils.progress import say, track
+from gnnlm.utils.provenance import code_version
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -42,6 +52,8 @@ FORMAT_VERSION = 1
 # a WikiText-103-sized datastore: hundreds of GB, minutes to read) has only its size checked
 # then, and its checksum by ``gnnlm verify``.
 REUSE_CHECK_BYTES = 1 << 30
+# the field of a manifest holding the sha256 of the rest of it
+MANIFEST_SHA256 = "manifest_sha256"
 
 
 class ArtifactError(RuntimeError):
@@ -141,8 +153,25 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest's content without its ``manifest_sha256``, as JSON reads it back
+    (so a value JSON writes otherwise than Python holds it, an int key or a tuple, hashes the
+    same when written and when read)."""
+    content = json.loads(json.dumps(manifest, default=str))
+    content.pop(MANIFEST_SHA256, None)
+    return hashlib.sha256(canonical_json(content).encode()).hexdigest()
+
+
+# What the builds under way record of the manifests they read, one log per build (artifact path
+# → fingerprint): ``ArtifactBuilder`` pushes its log when it starts, ``read_manifest`` writes to
+# every log.
+_READ_LOGS: list[dict[str, str]] = []
+
+
 def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
-    """Read the manifest of a complete artifact, with a clear error if there is none."""
+    """Read the manifest of a complete artifact, with a clear error if there is none or if its
+    content changed after it was written (its ``manifest_sha256``; a manifest written before
+    it was recorded has none). The read is recorded by every build under way."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -158,9 +187,36 @@ def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
                             f"and run the stage again, or rerun with --rebuild.") from None
     if not isinstance(manifest, dict) or not manifest.get("complete"):
         raise ArtifactError(f"{path} is marked incomplete; rebuild it.")
+    recorded = manifest.get(MANIFEST_SHA256)
+    if recorded is not None and recorded != manifest_digest(manifest):
+        found = manifest.get("kind")
+        raise ArtifactError(f"{manifest_path} was edited after it was written (its content no "
+                            f"longer matches its manifest_sha256). "
+                            f"{rebuild_hint(path, found if isinstance(found, str) else None)}")
     if kind is not None and manifest.get("kind") != kind:
         raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}.")
+    for log in _READ_LOGS:
+        log[os.path.abspath(path)] = str(manifest.get("fingerprint"))
     return manifest
+
+
+def stale_reads(path: str | os.PathLike, manifest: dict) -> list[str]:
+    """The artifacts that the one at ``path`` was made from (its manifest's ``reads``) and that
+    the work directory now holds with another fingerprint, or no longer holds: one phrase
+    each. One whose manifest cannot be read is left to its own check."""
+    stale = []
+    for relative, fingerprint in sorted((manifest.get("reads") or {}).items()):
+        source = Path(os.path.normpath(Path(path) / relative))
+        now: Optional[str] = None
+        if (source / MANIFEST).is_file():
+            try:
+                now = str(read_manifest(source).get("fingerprint"))
+            except ArtifactError:  # damaged: said of that artifact itself
+                continue
+        if now != fingerprint:
+            stale.append(f"{source}: fingerprint {fingerprint} → "
+                         f"{now if now is not None else 'no complete artifact'}")
+    return stale
 
 
 def _array_nbytes(spec: dict) -> int:
@@ -304,6 +360,7 @@ class ArtifactBuilder:
         self.arrays: dict[str, dict] = {}
         self._memmaps: dict[str, Any] = {}
         self.progress: dict = {}
+        self.reads: dict[str, str] = {}  # while building: what was read (recording_reads)
         self.interrupted = False
         self.t0 = time.perf_counter()
 
@@ -318,6 +375,7 @@ class ArtifactBuilder:
         found = read_manifest(self.path)
         if found.get("fingerprint") == self.fingerprint and not self.rebuild:
             self.check_files(found)
+            self.check_reads(found)
             say(f"[gnnlm] {self.kind} {self.path}: skipped (complete)")
             return True
         if self.rebuild:
@@ -338,6 +396,16 @@ class ArtifactBuilder:
                                 f"or an edit). "
                                 f"{rebuild_hint(self.path, self.kind)}")
 
+    def check_reads(self, manifest: dict) -> None:
+        """Refuse to reuse an artifact made from artifacts that have since been rebuilt with
+        other settings (or removed): its numbers describe inputs the work directory no longer
+        holds."""
+        stale = stale_reads(self.path, manifest)
+        if stale:
+            raise ArtifactError(f"{self.path} was made from artifacts since rebuilt with other "
+                                f"settings ({'; '.join(stale)}). "
+                                f"{rebuild_hint(self.path, self.kind)}")
+
     # -- building ---------------------------------------------------------------------------
     def __enter__(self) -> ArtifactBuilder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -354,6 +422,8 @@ class ArtifactBuilder:
                 self.progress = state.get("progress", {})
                 self.arrays = state.get("arrays", {})
         self.partial.mkdir(parents=True, exist_ok=True)
+        self.reads = {}
+        _READ_LOGS.append(self.reads)  # read_manifest records what the build reads
         return self
 
     def __exit__(self, *exc) -> None:
@@ -361,6 +431,7 @@ class ArtifactBuilder:
             if isinstance(mm, np.memmap):
                 mm.flush()
         self._memmaps.clear()
+        _READ_LOGS[:] = [log for log in _READ_LOGS if log is not self.reads]
 
     def array(self, name: str, dtype: Any, shape: Iterable[int], file: str | None = None,
               fill: Any = None) -> np.ndarray:
@@ -434,10 +505,18 @@ class ArtifactBuilder:
         write_json_atomic(self.partial / PROGRESS, {
             "fingerprint": self.fingerprint, "progress": self.progress, "arrays": self.arrays})
 
+    def own_reads(self) -> dict[str, str]:
+        """What this build read of other artifacts, by path relative to this artifact's folder
+        (so that a work directory can be moved)."""
+        own = {os.path.abspath(self.path), os.path.abspath(self.partial)}
+        return {os.path.relpath(source, os.path.abspath(self.path)): fingerprint
+                for source, fingerprint in sorted(self.reads.items()) if source not in own}
+
     def finish(self, extra: dict | None = None) -> dict:
         """Write the complete manifest, with the sha256 of every file (arrays' in their spec,
-        other files', such as ``model.ckpt`` or a tokenizer, under ``files``), and rename the
-        partial folder into place."""
+        other files', such as ``model.ckpt`` or a tokenizer, under ``files``), what the build
+        read (``reads``), the code that made it (``made_by``) and the sha256 of the manifest's
+        own content, and rename the partial folder into place."""
         for mm in self._memmaps.values():
             if isinstance(mm, np.memmap):
                 mm.flush()
@@ -453,9 +532,11 @@ class ArtifactBuilder:
                        for name, spec in self.arrays.items()},
             "files": {name: digest for name, digest in digests.items()
                       if name not in array_files},
+            "reads": self.own_reads(), "made_by": code_version(),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             **(extra or {}),
         }
+        manifest[MANIFEST_SHA256] = manifest_digest(manifest)
         write_json_atomic(self.partial / MANIFEST, manifest)
         (self.partial / PROGRESS).unlink(missing_ok=True)
         for rank_file in self.partial.glob(RANK_PROGRESS.format(rank="*") + "*"):

@@ -3,10 +3,13 @@
 A run that reuses an artifact checks its files' sizes, and the sha256 of those up to
 ``gnnlm.workdir.artifacts.REUSE_CHECK_BYTES``; this command reads every file of every artifact
 against its manifest (after copying a work directory, or to check the big files a reuse does not
-read). It prints one line per artifact and a summary, and fails naming each bad file and the stage
-that rebuilds it. An unfinished build (``<name>.partial``) is listed but is no error: the next run
+read), each manifest against its own checksum, and each artifact's recorded inputs (``reads``)
+against the artifacts the work directory now holds. It prints one line per artifact and a
+summary, and fails naming each bad or edited file, or stale input, and the stage that rebuilds
+it. An unfinished build (``<name>.partial``) is listed but is no error: the next run
 of its stage resumes it. A manifest written before checksums were recorded has only its sizes
-checked ("no checksum recorded"). The work directory is only read.
+checked ("no checksum recorded"), as has one with no checksum of its own content. The work
+directory is only read.
 """
 from __future__ import annotations
 
@@ -17,11 +20,13 @@ from pathlib import Path
 
 from gnnlm.workdir.artifacts import (
     MANIFEST,
+    MANIFEST_SHA256,
     ArtifactError,
     data_files,
     file_problems,
     read_manifest,
     rebuild_hint,
+    stale_reads,
 )
 
 
@@ -50,12 +55,14 @@ def check_artifact(path: Path) -> tuple[str, list[str], int]:
     except ArtifactError as err:
         return "bad", [str(err)], 0
     files = data_files(manifest)
-    problems = file_problems(path, manifest)
+    problems = file_problems(path, manifest) + [
+        f"made from {source}, since rebuilt" for source in stale_reads(path, manifest)]
     if problems:
         return "bad", problems, 0
     read = sum((path / name).stat().st_size for name, digest in files.items() if digest)
     # a manifest from before checksums has no "files" map (nor the other files it then lists)
-    recorded = "files" in manifest and all(digest for digest in files.values())
+    recorded = ("files" in manifest and all(digest for digest in files.values())
+                and MANIFEST_SHA256 in manifest)
     return ("ok" if recorded else "no checksum recorded"), [], read
 
 
