@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fakes import randomise
 from torch_geometric.data import Batch
 
 from gnnlm.gnn.dense import stack_dense, to_dense
@@ -33,28 +34,6 @@ def stack_for(norm="none", edge_aggr="sum", seed=0):
     torch.manual_seed(seed)
     return GNNStack(D_MODEL, METADATA, num_layers=3, heads=4, norm=norm, edge_aggr=edge_aggr,
                     zero_init_output=False, readout=("ctx",)).double()
-
-
-def randomise(stack: GNNStack, seed=0) -> GNNStack:
-    """Every parameter random, the initial identities included: W^ATT and W^FEA start at I and μ
-    at 1 for every relation (eq. 2–3), which would hide a path that reads one relation's (or
-    edge type's) parameters for another's. Scaled to keep the softmax away from one-hot."""
-    g = torch.Generator().manual_seed(seed)
-
-    def noise(p, scale):
-        return scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
-
-    with torch.no_grad():
-        for name, p in stack.named_parameters():
-            if ".w_att." in name or ".w_fea." in name:               # [H, D_h, D_h]
-                p.copy_(noise(p, 1 / p.shape[-1] ** 0.5))
-            elif ".mu." in name:                                      # [H], per edge type
-                p.copy_(0.5 + 1.5 * torch.rand(p.shape, generator=g, dtype=p.dtype))
-            elif ".norm." in name:                                    # LayerNorm weight, bias
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + noise(p, 0.3))
-            else:                                                     # W^q, W^k, W^v, W^o
-                p.copy_(noise(p, 1 / D_MODEL ** 0.5))
-    return stack
 
 
 def two_paths(norm="none", edge_aggr="sum") -> tuple[GNNStack, GNNStack]:

@@ -8,8 +8,8 @@ import faiss
 import numpy as np
 import pytest
 import torch
-from fakes import write_features, write_output_embedding
-from test_gnn_dense import D_MODEL, batch_of_graphs, randomise
+from fakes import randomise, write_features, write_output_embedding
+from test_gnn_dense import D_MODEL, batch_of_graphs
 from torch_geometric.data import Batch
 
 from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph

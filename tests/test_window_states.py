@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fakes import randomise
 from torch_geometric.data import Batch
 
 from gnnlm.gnn.dense import DenseGraph, stack_dense, to_dense
@@ -49,9 +50,11 @@ def blocks(cfg: GraphConfig, seed: int = 0):
 
 
 def stack_for(norm="none", edge_aggr="sum", layers=3):
-    torch.manual_seed(0)
-    return GNNStack(D_MODEL, METADATA, num_layers=layers, heads=4, norm=norm,
-                    edge_aggr=edge_aggr, zero_init_output=False, readout=("ctx",)).double().eval()
+    """A stack with every parameter random (``fakes.randomise``): W^ATT, W^FEA and μ of each
+    relation differ, so reading one relation's for another's changes the numbers."""
+    return randomise(GNNStack(D_MODEL, METADATA, num_layers=layers, heads=4, norm=norm,
+                              edge_aggr=edge_aggr, zero_init_output=False,
+                              readout=("ctx",)).double()).eval()
 
 
 def features_of(train: np.ndarray):
@@ -95,6 +98,61 @@ def test_the_table_is_reused_and_emptied_when_the_weights_change():
     assert states.computed == computed and not torch.allclose(changed, first)
     fresh = WindowStates(stack, features_of(train), N_TRAIN, cfg)
     torch.testing.assert_close(changed, fresh(ctx, graph), rtol=0, atol=0)
+
+
+# Writes that ``_version`` does not see, each to what the table keeps (layer 0's window nodes:
+# the intra relation and its μ) and to what the layers fold at every read (the inter relation).
+def _write_through_data(stack):
+    stack.layers[0].w_att["intra"].data.mul_(1.5)
+    stack.layers[1].w_att["inter"].data.mul_(1.5)
+
+
+def _copy_through_data(stack):
+    stack.layers[0].mu["nbr__intra__nbr"].data.copy_(torch.full((4,), 0.25, dtype=torch.float64))
+    stack.layers[1].w_fea["inter"].data.copy_(stack.layers[1].w_fea["inter"].data * -1)
+
+
+def _swap_relations(stack):
+    for layer, relation in ((stack.layers[0], "intra"), (stack.layers[1], "inter")):
+        att, fea = layer.w_att[relation].data.clone(), layer.w_fea[relation].data.clone()
+        layer.w_att[relation].data.copy_(fea)
+        layer.w_fea[relation].data.copy_(att)
+
+
+def _fused_adamw_step(stack):
+    for p in stack.parameters():
+        p.grad = torch.ones_like(p)
+    torch.optim.AdamW(stack.parameters(), lr=0.1, fused=True).step()
+
+
+def _load_state_dict(stack):
+    other = randomise(stack_for(), seed=7)
+    stack.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("write", [_write_through_data, _copy_through_data, _swap_relations,
+                                   _fused_adamw_step, _load_state_dict])
+def test_any_write_to_the_weights_empties_the_table(write):
+    """However the weights are written (through ``.data``, which ``_version`` does not see, a
+    fused optimiser step, a state dict), the next read equals a table computed afresh. Without
+    autograd, as in evaluation: the folded relation maps are kept then too (``dense.fold``)."""
+    cfg = GraphConfig(k=4)
+    _, context, train = blocks(cfg, seed=1)
+    stack = stack_for()
+    states = WindowStates(stack, features_of(train), N_TRAIN, cfg)
+    ctx, _, graph = to_dense(context, cfg)
+    with torch.no_grad():
+        first = states(ctx, graph)
+    versions = [p._version for p in stack.parameters()]
+    write(stack)
+    with torch.no_grad():
+        changed = states(ctx, graph)
+    # with autograd nothing folded is kept: the reference reads every weight as it is now
+    fresh = WindowStates(stack, features_of(train), N_TRAIN, cfg)(ctx, graph).detach()
+    torch.testing.assert_close(changed, fresh, rtol=0, atol=0)
+    assert not torch.allclose(changed, first)
+    if write in (_write_through_data, _copy_through_data, _swap_relations):
+        assert [p._version for p in stack.parameters()] == versions  # what the old key missed
 
 
 def test_a_full_table_starts_again_with_the_same_numbers():

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from gnnlm.gnn.graph import CTX_INTRA, NBR_INTER, NBR_INTRA, GraphConfig
 from gnnlm.gnn.layer import GNNLMConv, GNNStack
+from gnnlm.utils.tensor_digest import tensor_digest
 
 
 @dataclass
@@ -115,11 +116,11 @@ def fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
 
     Without autograd (evaluation, generation) the map is kept on ``lin`` until a weight
     changes: a generated token runs every layer once, and folding cost it as much as the
-    layer's attention."""
+    layer's attention. The weights are told by a digest of their bits
+    (``gnnlm.utils.tensor_digest``), which a write through ``.data`` changes too."""
     if torch.is_grad_enabled():
         return _fold(lin, relation)
-    key = (id(relation), relation._version, lin.weight._version, relation.device,
-           None if lin.bias is None else lin.bias._version)
+    key = (id(relation), tensor_digest([relation, lin.weight, lin.bias]))
     kept = lin.__dict__.setdefault("_folded", {})
     if key not in kept:
         if len(kept) >= 8:  # maps of earlier weights: a map reads at most two relations

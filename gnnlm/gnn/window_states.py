@@ -22,7 +22,9 @@ train position (8 bytes); layer 0 reads the node features. Rows are taken in the
 are first retrieved, up to ``max_windows`` (default: every train position; on a CPU, rows never
 taken take no memory); a batch that would overflow it empties the table and starts again, so
 memory stays bounded and the numbers stay exact. Weights that change (a training step, a
-loaded checkpoint, a move to another device) empty it before the next read.
+loaded checkpoint, a write through ``p.data``, a move to another device) empty it before the
+next read: each ``prepare`` compares a digest of the weights' bits
+(``gnnlm.utils.tensor_digest``) with the one the table was computed from.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from torch import Tensor, nn
 from gnnlm.gnn.dense import DenseGraph, ctx_update, fold, window_update
 from gnnlm.gnn.graph import NBR_INTER, GraphConfig
 from gnnlm.gnn.layer import GNNLMConv, GNNStack
+from gnnlm.utils.tensor_digest import tensor_digest
 
 NodeFeatures = Callable[[np.ndarray], np.ndarray]  # train positions [n] -> float32 [n, d]
 
@@ -78,9 +81,9 @@ class WindowStates:
 
     # -- the table ------------------------------------------------------------------------
     def _weights_key(self, device: torch.device) -> tuple:
-        """Changes whenever a parameter is modified in place (optimiser steps, load_state_dict
-        bump ``_version``) or replaced (a move to another device)."""
-        return (str(device),) + tuple((p.data_ptr(), p._version) for p in self.stack.parameters())
+        """Changes whenever a parameter or buffer changes, however it was written: a digest of
+        the bits (``_version`` misses writes through ``.data`` and fused optimiser steps)."""
+        return (str(device), tensor_digest([*self.stack.parameters(), *self.stack.buffers()]))
 
     def clear(self) -> None:
         self._table = self._row = self._weights = None
