@@ -50,6 +50,7 @@ def test_stages_are_timed_only_inside_a_timed_run_and_only_when_they_finish(tmp_
     record = times.write(tmp_path, {"device": "cpu"})
     assert json.loads((tmp_path / "stage_times.json").read_text()) == record
     assert record["environment"] == {"device": "cpu"} and len(record["stages"]) == 2
+    assert record["made_by"] == provenance.code_version()
     assert record["total_seconds"] >= sum(s["seconds"] for s in record["stages"])
 
 

@@ -1,12 +1,16 @@
 """Artifacts are identified by what makes their contents: a trained part by the merged values of
-its YAMLs (not their text), a Hugging Face tokenizer by its vocabulary and rules (not its path);
-work directories recorded the older way are reused; a refusal stays one short line."""
+its YAMLs (not their text) and by every artifact its data module and model read (on the test
+pipeline's work directory: a head is refused once any of them is rebuilt with other settings), a
+Hugging Face tokenizer by its vocabulary and rules (not its path); work directories recorded the
+older way are reused; a refusal stays one short line."""
 from __future__ import annotations
 
+import os
 import shutil
 
+import numpy as np
 import pytest
-from fakes import as_older_code_wrote_it, write_corpus
+from fakes import as_older_code_wrote_it, error_of, write_corpus
 from families import FAMILIES, save_family, train_bpe
 
 from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, fingerprint, read_manifest
@@ -269,3 +273,128 @@ def test_tokens_recorded_with_the_tokenizer_s_path_are_reused_from_a_copy(hf_cor
         f"config.tokenizer.bos_each_window: false → true; config.tokenizer.bos_id: 0 → {bos}. "
         f"Use another work directory, delete the folder, or rerun with --rebuild.")
     assert read_manifest(out) == old
+
+
+# -- a trained head's identity: every artifact its data module and model read ----------------
+# What each head of the test pipeline must have recorded reading, at least (paths relative to
+# the work directory): the features and neighbours of every split it is trained and scored on,
+# and what only some heads open (PQ codes, the output embedding, the token streams).
+SPLIT_NEIGHBOURS = {f"neighbors/final-cos/{split}" for split in ("train", "valid", "test")}
+FEATURES = {f"features/{split}" for split in ("train", "valid", "test")}
+HEAD_READS = {
+    "gnn": FEATURES | SPLIT_NEIGHBOURS | {"pq/final"},
+    "spalm": FEATURES | SPLIT_NEIGHBOURS | {"features/output_embedding"},
+    "spalm_ft": FEATURES | SPLIT_NEIGHBOURS | {"tokens"},
+    "spalm_xl": SPLIT_NEIGHBOURS | {"tokens"},
+    "learned_wds": FEATURES,
+}
+
+
+def head_reads(workdir, name: str) -> set[str]:
+    manifest = read_manifest(workdir / "models" / name)
+    return {os.path.relpath(os.path.normpath(workdir / "models" / name / relative), workdir)
+            for relative in manifest["reads"]}
+
+
+def view_with_own_copy(workdir, root, relative: str):
+    """``root`` as the work directory: every entry a link to ``workdir``'s, except the folders
+    on the way to ``relative``, and ``relative`` itself, a copy (so that it can be rebuilt)."""
+    def mirror(source, target, rest):
+        target.mkdir(parents=True)
+        for entry in source.iterdir():
+            if rest and entry.name == rest[0]:
+                if len(rest) == 1:
+                    shutil.copytree(entry, target / entry.name, symlinks=True)
+                else:
+                    mirror(entry, target / entry.name, rest[1:])
+            elif entry.name != ".lock":
+                (target / entry.name).symlink_to(entry)
+
+    mirror(workdir, root, relative.split("/"))
+    return Workdir(root)
+
+
+def rebuild_otherwise(wd: Workdir, relative: str) -> None:
+    """Rebuild the artifact at ``relative`` with other settings than the pipeline's."""
+    from fakes import write_features, write_output_embedding
+
+    from gnnlm.gnn.pq import PQConfig, build_pq
+    from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
+    from gnnlm.text.tokens import TokenizerConfig, build_tokens
+
+    if relative == "tokens":
+        build_tokens(wd.tokens, "wikitext-2", tokenizer=TokenizerConfig(max_vocab=5000),
+                     rebuild=True)
+    elif relative == "pq/final":
+        build_pq(wd, "final", PQConfig(m=8), rebuild=True)
+    elif relative == "neighbors/final-cos/test":
+        build_neighbors(wd, "test", "final", "cos", NeighborsConfig(K=16), rebuild=True)
+    elif relative == "features/valid":
+        shutil.rmtree(wd.features("valid"))
+        write_features(wd.features("valid"), np.zeros((4, 8), np.float32), split="valid")
+    elif relative == "features/output_embedding":
+        shutil.rmtree(wd.output_embedding)
+        write_output_embedding(wd, np.zeros((4, 8), np.float32))
+    else:
+        raise AssertionError(relative)
+
+
+def reused(wd: Workdir, name: str) -> bool:
+    """What the pipeline does with a trained head it finds (``fit_with_cli``): reuse it, or
+    raise ``ArtifactError`` saying why not."""
+    manifest = read_manifest(wd.model(name))
+    return ArtifactBuilder(wd.model(name), kind="trained_model", config=manifest["config"],
+                           inputs=manifest["inputs"]).is_complete()
+
+
+@pytest.mark.integration
+def test_every_head_records_what_its_data_module_and_model_read(workdir):
+    for name, expected in HEAD_READS.items():
+        missing = expected - head_reads(workdir, name)
+        assert not missing, f"{name} did not record reading {sorted(missing)}"
+        assert reused(Workdir(workdir), name)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("relative", ["tokens", "features/valid", "features/output_embedding",
+                                      "neighbors/final-cos/test", "pq/final"])
+def test_a_head_is_never_reused_once_an_artifact_it_read_is_rebuilt_otherwise(
+        workdir, tmp_path, relative):
+    wd = view_with_own_copy(workdir, tmp_path / "w", relative)
+    before = read_manifest(wd.root / relative)["fingerprint"]
+    rebuild_otherwise(wd, relative)
+    after = read_manifest(wd.root / relative)["fingerprint"]
+    assert after != before
+    heads = sorted(p.name for p in (workdir / "models").iterdir()
+                   if (p / "manifest.json").is_file() and p.name != "base_lm")
+    readers = [name for name in heads if relative in head_reads(workdir, name)]
+    assert readers, f"no head read {relative}"
+    for name in heads:
+        if name in readers:
+            with pytest.raises(ArtifactError) as err:
+                reused(wd, name)
+            assert f"({wd.root / relative}: fingerprint {before} → {after})" in str(err.value)
+            assert str(err.value).endswith(f"Rerun with --rebuild=[{name}] or delete "
+                                           f"{wd.model(name)}.")
+        else:
+            assert reused(wd, name), name
+
+
+@pytest.mark.integration
+def test_the_pipeline_refuses_the_gnn_after_its_pq_codes_are_rebuilt_otherwise(
+        workdir, tmp_path, capsys, in_repo):
+    """The case found: ``--rebuild=[pq]`` with other PQ settings, then the GNN head was
+    "skipped (complete)" and scored codes the work directory no longer held."""
+    from conftest import PIPELINE
+
+    root = tmp_path / "w"
+    wd = view_with_own_copy(workdir, root, "pq/final")
+    (root / "reports").unlink()
+    before = read_manifest(wd.pq("final"))["fingerprint"]
+    line = error_of(["pipeline", *PIPELINE, f"--workdir={root}", "--rebuild=[pq]",
+                     "--pq.m=8"], capsys)
+    after = read_manifest(wd.pq("final"))["fingerprint"]
+    assert before != after and line == (
+        f"gnnlm pipeline: error: {wd.model('gnn')} was made from artifacts since rebuilt with "
+        f"other settings ({wd.pq('final')}: fingerprint {before} → {after}). Rerun with "
+        f"--rebuild=[gnn] or delete {wd.model('gnn')}.")

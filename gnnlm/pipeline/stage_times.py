@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from gnnlm.utils.progress import format_seconds, say
+from gnnlm.utils.provenance import code_version
 from gnnlm.workdir.artifacts import write_json_atomic
 
 
@@ -47,7 +48,7 @@ class StageTimes:
     def as_dict(self, environment: Optional[dict] = None) -> dict:
         return {"started": self.started,
                 "total_seconds": round(time.perf_counter() - self.t0, 2),
-                "stages": self.stages, "environment": environment}
+                "stages": self.stages, "environment": environment, "made_by": code_version()}
 
     def write(self, folder: Path, environment: Optional[dict] = None) -> dict:
         """``folder/stage_times.json`` (written whole, atomically); returns what it wrote."""

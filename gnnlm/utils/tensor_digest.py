@@ -59,8 +59,8 @@ def tensor_digest(tensors: Iterable[Optional[Tensor]]) -> tuple:
             continue
         meta = (str(t.dtype), tuple(t.shape), str(t.device))
         if t.device.type == "cpu":
-            data = _bits(t.contiguous()).numpy()
-            entries.append((meta, hashlib.sha256(memoryview(data)).hexdigest()))
+            data = _bits(t.contiguous()).numpy()   # the tensor's own memory, not a copy
+            entries.append((meta, hashlib.sha256(data.data).hexdigest()))
         else:
             on_device.append((len(entries), weighted_bit_sum(t)))
             entries.append(meta)
