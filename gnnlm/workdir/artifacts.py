@@ -360,7 +360,7 @@ class ArtifactBuilder:
         self.arrays: dict[str, dict] = {}
         self._memmaps: dict[str, Any] = {}
         self.progress: dict = {}
-        self.reads: dict[str, str] = {}  # while building: what was read (recording_reads)
+        self.reads: dict[str, str] = {}  # while building: what read_manifest recorded
         self.interrupted = False
         self.t0 = time.perf_counter()
 
