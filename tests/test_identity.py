@@ -13,7 +13,13 @@ import pytest
 from fakes import as_older_code_wrote_it, error_of, write_corpus
 from families import FAMILIES, save_family, train_bpe
 
-from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, fingerprint, read_manifest
+from gnnlm.workdir.artifacts import (
+    ArtifactBuilder,
+    ArtifactError,
+    fingerprint,
+    read_manifest,
+    rebuild_hint,
+)
 from gnnlm.workdir.layout import Workdir
 
 # One file of a tiny `gnnlm fit` run (two steps of a one-layer LM on a few lines).
@@ -374,8 +380,8 @@ def test_a_head_is_never_reused_once_an_artifact_it_read_is_rebuilt_otherwise(
             with pytest.raises(ArtifactError) as err:
                 reused(wd, name)
             assert f"({wd.root / relative}: fingerprint {before} → {after})" in str(err.value)
-            assert str(err.value).endswith(f"Rerun with --rebuild=[{name}] or delete "
-                                           f"{wd.model(name)}.")
+            # (learned_wds_n3 is rebuilt by --rebuild=[learned_wds[n=3]])
+            assert str(err.value).endswith(rebuild_hint(wd.model(name), "trained_model"))
         else:
             assert reused(wd, name), name
 
