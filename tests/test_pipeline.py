@@ -112,6 +112,21 @@ def test_results_record_unknown_tokens_and_the_overlap_with_the_datastore(result
     assert ("Warnings:" in text) == bool(results["warnings"])
 
 
+def test_the_test_pipeline_s_retrieval_discriminates_and_its_plots_are_written(results,
+                                                                               workdir):
+    """Its base LM's keys are not degenerate (measured on valid at k = 64: median top-1 minus
+    top-64 cosine 4.1e-3 for `final`, 4.8e-3 for `att`; no query within 1e-4; T moves valid ppl
+    by over 2%): no retrieval warning. The report's plots are there."""
+    sanity = results["retrieval_sanity"]
+    assert set(sanity) == {"final", "att"}
+    assert all(not s["degenerate"] and s["flat_share"] < 0.05 for s in sanity.values())
+    assert not [w for w in results["warnings"] if w["kind"] == "degenerate_retrieval"]
+    report = workdir / "reports" / "tests"
+    assert {"knn_sweep_final.png", "knn_sweep_att.png", "knn_recall_buckets.png"} <= set(
+        results["plots"])
+    assert all((report / name).stat().st_size > 0 for name in results["plots"])
+
+
 def test_base_lm_is_far_below_unigram_on_the_same_tokens(workdir):
     store = TokenStore.open(workdir / "tokens")
     _, valid = open_features(Workdir(workdir).features("valid"))

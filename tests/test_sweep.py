@@ -12,7 +12,7 @@ from gnnlm.retrieval.knn import default_temperatures, evaluate, fit
 from gnnlm.workdir.artifacts import ArtifactBuilder
 
 
-def write_cache(path, n, K, seed, scores="faiss"):
+def write_cache(path, n, K, seed, scores="faiss", **facts):
     """A kNN cache artifact whose kNN part helps: hits concentrate on the best neighbours."""
     rng = np.random.default_rng(seed)
     sims = -np.sort(rng.exponential(1.0, (n, K)), axis=1).astype(np.float32)
@@ -25,7 +25,7 @@ def write_cache(path, n, K, seed, scores="faiss"):
         builder.array("hits", np.bool_, (n, K))[:] = hits
         builder.finish(extra={"n": n, "K": K, "key": "att", "metric": "l2", "scores": scores,
                               "base_lm": {"name": "fake-lm", "fingerprint": "weights-a"},
-                              "backend": "index", "factory": "Flat"})
+                              "backend": "index", "factory": "Flat", **facts})
     return {"sims": sims, "hits": hits, "lm_logprob": lm}
 
 
@@ -116,3 +116,27 @@ def test_default_temperatures_follow_the_caches_metric_and_arrays_work(tmp_path)
     assert again.valid_ppl == pytest.approx(result.valid_ppl)
     assert again.test_ppl == pytest.approx(result.test_ppl)
     assert again.cache["metric"] is None
+
+
+def test_sweep_md_names_the_neighbours_and_scores_as_the_report_does(tmp_path):
+    """An IVF index re-ranked exactly: "faiss" scores that are exact; sweep.md says so in the
+    words of results.md's and the printed table's kNN-LM rows (``search_description``)."""
+    from gnnlm.pipeline.ablations import search_description
+
+    facts = {"backend": "index", "factory": "IVF64,SQ8", "nprobe": 4, "rerank": 1.0,
+             "scores_are_exact": True}
+    for split, seed in (("valid", 0), ("test", 1)):
+        write_cache(tmp_path / split, 60, 8, seed=seed, **facts)
+    result = sweep_caches(tmp_path / "valid", tmp_path / "test", [8], [1.0], [0.0, 0.5])
+    write_sweep(result, tmp_path / "out", use_wandb=False)
+    md = (tmp_path / "out" / "sweep.md").read_text()
+    words = search_description(facts)
+    assert words == "IVF64,SQ8 neighbours (nprobe 4, re-ranked 1x) + exact scores"
+    assert f"key att, l2: {words} (knn.scores: faiss)" in md
+    # a cache that does not record its search is not described as exact or approximate
+    write_cache(tmp_path / "old", 60, 8, seed=0)
+    write_cache(tmp_path / "old_test", 60, 8, seed=1)
+    old = sweep_caches(tmp_path / "old", tmp_path / "old_test", [8], [1.0], [0.0, 0.5])
+    write_sweep(old, tmp_path / "old_out", use_wandb=False)
+    assert "faiss scores (what was searched is not recorded)" in (
+        tmp_path / "old_out" / "sweep.md").read_text()

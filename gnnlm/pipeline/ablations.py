@@ -83,12 +83,23 @@ def neighbours_label(facts: dict) -> str:
     return f"{factory} neighbours" + (f" ({', '.join(settings)})" if settings else "")
 
 
+def scores_label(facts: dict) -> str:
+    """What the scores are: "exact" (recomputed, re-ranked by the search, or from an index that
+    stores the keys uncompressed) or "approximate (index)"."""
+    return "exact" if facts["scores_are_exact"] else "approximate (index)"
+
+
+def search_description(facts: dict) -> str:
+    """Neighbours and scores in the words every report uses (results.md, the printed table,
+    sweep.md), e.g. "IVF4096,SQ8 neighbours (nprobe 4, re-ranked 1x) + exact scores"."""
+    return f"{neighbours_label(facts)} + {scores_label(facts)} scores"
+
+
 def row_label(key: str, metric: str, facts: dict) -> str:
     """The table's label of a kNN-LM row: key, similarity, neighbours and scores (Xu et al. §5.1
     "mask" and "score"), e.g. "kNN-LM, key final, cos: IVF4096,SQ8 neighbours (nprobe 4,
     re-ranked 1x) + exact scores"."""
-    scores = "exact scores" if facts["scores_are_exact"] else "approximate (index) scores"
-    return f"kNN-LM, key {key}, {metric}: {neighbours_label(facts)} + {scores}"
+    return f"kNN-LM, key {key}, {metric}: {search_description(facts)}"
 
 
 class Evaluator:

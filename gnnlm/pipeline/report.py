@@ -9,7 +9,12 @@ valid/test in the datastore) and, when something makes the numbers untrustworthy
 block. Under them, the trained parts whose training was resumed or cut short by ``max_time``.
 Below those, the papers' analyses: kNN recall buckets (Meng et al. 2022), GNN-LM's
 evaluation k, and for every SPALM row the mean gate per token, its k curve and frequency
-buckets (Yogatama et al. 2021; ``gnnlm.spalm.analysis``).
+buckets (Yogatama et al. 2021; ``gnnlm.spalm.analysis``). With the retrieval facts, how much
+retrieval discriminates per key (``gnnlm.retrieval.sanity``): a datastore whose neighbours all
+score alike is warned of, since its kNN-LM "gain" is smoothing, not retrieval.
+
+Plots (``PLOTS``): per key, valid perplexity over λ × T at the fitted k (``gnnlm sweep``'s
+heatmap); the recall buckets; each SPALM row's gate histogram; the ablations' curves.
 
 Rows are named, labelled and ordered by ``gnnlm.pipeline.rows``; everything is read from the
 pipeline's ``gnnlm.pipeline.results.Results``, which holds the manifests its stages read.
@@ -25,6 +30,9 @@ from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.pipeline import data_checks, rows
 from gnnlm.pipeline.results import KeyRetrieval, Results
+from gnnlm.pipeline.sweep import write_heatmap
+from gnnlm.retrieval import sanity
+from gnnlm.retrieval.search import exhaustive_index
 from gnnlm.retrieval.tuning import measured_recall
 from gnnlm.spalm.analysis import markdown as spalm_markdown
 from gnnlm.spalm.analysis import results_section as spalm_section
@@ -33,6 +41,10 @@ from gnnlm.utils.metrics import ppl_from_logprobs
 from gnnlm.utils.provenance import code_version
 from gnnlm.workdir.artifacts import write_json_atomic
 from gnnlm.workdir.layout import Workdir
+
+# the plots every report with a kNN row writes (``{key}``: each key type), beside the SPALM rows'
+# ``<row>_gate_hist.png`` and the ablations' curves when those ran
+PLOTS = ("knn_sweep_{key}.png", "knn_recall_buckets.png")
 
 
 def recall_buckets(hits_count: np.ndarray, base: np.ndarray, model: np.ndarray,
@@ -105,6 +117,16 @@ def _retrieval_facts(r: KeyRetrieval) -> dict:
 def _retrieval_line(key: str, info: dict) -> str:
     if info["backend"] == "exact":
         searched = f"exact search, K = {info['K']:,}"
+    elif exhaustive_index(info["factory"]):  # every key scored: what it measured is ties
+        measured = info["recall"]
+        searched = (f"exact neighbours (index {info['factory']}: every key scored), "
+                    f"K = {info['K']:,}")
+        if measured is not None:
+            values = [v for v in (measured["recall@10"], measured["recall@100"],
+                                  measured["recall@K"]) if v is not None]
+            searched += (f"; the same top 10/100/K as a second exact search for "
+                         f"{'/'.join(str(v) for v in values)} of neighbours (the rest tie "
+                         f"within float rounding)")
     else:
         measured = info["recall"]
         searched = (f"index {info['factory']}, nprobe {info['nprobe']}, re-ranking "
@@ -299,12 +321,16 @@ def _markdown(results: dict) -> str:
     lines += _ablation_markdown(results.get("ablations"))
     lines += ["", "Retrieval:", ""]
     lines += [_retrieval_line(key, info) for key, info in results["retrieval"].items()]
+    lines += [f"- key {key}: {sanity_line(facts)}"
+              for key, facts in (results.get("retrieval_sanity") or {}).items()]
     if results.get("gnn_leakage"):
         lines.append("- GNN-LM train graphs, leakage rule: " + ", ".join(
             f"{name.replace('_', ' ')} {value:.4f}" for name, value in
             results["gnn_leakage"].items()))
     lines += ["", "Stage build times (s): " + ", ".join(f"{k} {v}" for k, v in
                                                          results["timing_s"].items())]
+    if results.get("plots"):
+        lines += ["", "Plots: " + ", ".join(f"`{name}`" for name in results["plots"]) + "."]
     if results.get("environment"):
         lines += ["", f"Report written on: {environment.one_line(results['environment'])}."]
     if results.get("made_by"):
@@ -346,6 +372,25 @@ def _ablation_markdown(ablations: Optional[dict]) -> list[str]:
     return lines
 
 
+def sanity_line(facts: dict) -> str:
+    """How much one key's retrieval discriminates (``gnnlm.retrieval.sanity``), in words."""
+    if not facts["queries"]:
+        return "no valid query has k neighbours: retrieval's spread not measured"
+    k, K = facts["k"], facts["K"]
+    line = (f"median similarity spread (top-1 minus top-k) of a valid query's top {k} (fitted "
+            f"k) {facts['spread_at_k']:.2e}")
+    if K != k:
+        line += f", of its top {K} {facts['spread_at_K']:.2e}"
+    line += (f"; {data_checks.percent(facts['flat_share'])} of queries with their top {k} "
+             f"within {facts['flat_tolerance']:.0e}")
+    if facts["temperature_effect"] is not None:
+        line += (f"; T changes valid ppl by {data_checks.percent(facts['temperature_effect'])} "
+                 f"across the grid")
+    if facts["temperature_on_grid_edge"]:
+        line += f" (fitted T = {facts['temperature']:g}, on the grid's edge)"
+    return line + (" — degenerate" if facts["degenerate"] else "")
+
+
 def rows_on_the_base_lm(names: list[str], heads: dict, row_protocol: dict) -> list[str]:
     """The rows that stand for a trained head on the base LM's features, read the base LM's way,
     and so should beat it on valid: the head's own row, or ``<head>+base`` where the report
@@ -371,6 +416,7 @@ def write_report(workdir: Workdir, results: Results) -> dict:
     if results.environment is not None:
         report["environment"] = results.environment
     report.update(results.data_checks)
+    report["retrieval_sanity"] = _retrieval_sanity(results, out)
     report["warnings"] = _warnings(report, results.heads)
     report["training_notes"] = training_notes(results)
     report["made_by"] = code_version()
@@ -381,6 +427,10 @@ def write_report(workdir: Workdir, results: Results) -> dict:
         report["ablations"] = results.ablations
         for png in workdir.ablations.glob("*.png"):
             (out / png.name).write_bytes(png.read_bytes())
+    if report.get("knn_recall_buckets"):
+        _plot_recall_buckets(out / "knn_recall_buckets.png", report["knn_recall_buckets"],
+                             _label(report, report["knn_recall_buckets_model"]))
+    report["plots"] = sorted(p.name for p in out.glob("*.png"))
     test_scores: dict[str, Any] = {k: v["test"] for k, v in results.scores.items()}
     np.savez_compressed(out / "test_logprobs.npz", **test_scores)
     write_json_atomic(out / "results.json", report)
@@ -414,13 +464,58 @@ def _tables(results: Results) -> dict:
 
 
 def _warnings(report: dict, heads: dict) -> list[dict]:
-    """The Warnings block: the data's checks, and heads worse than the base LM on valid."""
+    """The Warnings block: the data's checks, heads worse than the base LM on valid, and keys
+    whose retrieval does not discriminate."""
     worse = data_checks.heads_worse_than_base(
         report["valid_ppl"], rows_on_the_base_lm(list(report["ppl"]), heads, report["protocols"]))
-    return data_checks.report_warnings(
+    found = data_checks.report_warnings(
         report["unk_share"], report["datastore_overlap"], worse,
         label=lambda name: _label(report, name), unk_token=report["unk_token"],
         context=report["near_copy"]["context"])
+    return found + [sanity.warning(key, facts, _label(report, facts["row"]))
+                    for key, facts in report.get("retrieval_sanity", {}).items()
+                    if facts["degenerate"]]
+
+
+def _retrieval_sanity(results: Results, out: Path) -> dict:
+    """Per key with a kNN-LM row: how much its retrieval discriminates on valid at the fitted
+    (k, T, λ) (``gnnlm.retrieval.sanity``; ``row``: that kNN-LM row), and ``knn_sweep_<key>.png``,
+    valid perplexity over λ × T at the fitted k with the fitted point starred."""
+    facts = {}
+    base_valid_ppl = ppl_from_logprobs(results.scores[rows.BASE]["valid"])
+    for key, measured in results.retrieval_sanity.items():
+        row = next(name for name, hp in results.hparams.items()
+                   if hp.get("key") == key and name != rows.GNN_KNN)
+        facts[key] = {**measured.facts, "row": row}
+        ts, lams = measured.temperatures, measured.lambdas
+        best = (int(np.argmin(np.abs(np.subtract(ts, measured.facts["temperature"])))),
+                int(np.argmin(np.abs(np.subtract(lams, measured.facts["lambda"])))))
+        write_heatmap(out / f"knn_sweep_{key}.png", measured.valid_grid, ts, lams,
+                      measured.facts["k"], best, base_valid_ppl)
+    return facts
+
+
+def _plot_recall_buckets(path: Path, buckets: list[dict], model: str) -> None:
+    """GNN-LM Table 4 as bars: mean log p of the target per recall bucket, base LM and
+    ``model``."""
+    # The object API with an Agg canvas, as ``gnnlm.pipeline.sweep.write_heatmap``.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    at = np.arange(len(buckets))
+    ax.bar(at - 0.2, [b["base_logprob"] for b in buckets], width=0.4, label="base LM")
+    ax.bar(at + 0.2, [b["model_logprob"] for b in buckets], width=0.4, label=model)
+    ax.set_xticks(at, [f"[{b['recall_range'][0]}, {b['recall_range'][1]}]\n"
+                       f"{b['tokens']:,} tokens" for b in buckets])
+    ax.set_xlabel("neighbours whose value is the target (recall R(c_t))")
+    ax.set_ylabel("mean log p(target), test")
+    ax.set_title("kNN recall buckets (GNN-LM Table 4)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _analyses(workdir: Workdir, results: Results, out: Path) -> dict:
@@ -464,6 +559,13 @@ def print_table(results: dict, workdir: Workdir) -> None:
         print("Not trained in one uninterrupted run:")
         for line in training_lines(results):
             print(f"  {line}")
+    knn_rows = [(name, hp) for name, hp in results["hparams"].items() if "neighbours" in hp]
+    if knn_rows:
+        print("Retrieval:")
+        for name, hp in knn_rows:
+            print(f"  {_label(results, name)}: {hp['neighbours']} + {hp['scores']} scores")
+        for key, facts in (results.get("retrieval_sanity") or {}).items():
+            print(f"  key {key}: {sanity_line(facts)}")
     if "unk_share" in results:
         print(data_line(results))
     if results.get("warnings"):

@@ -11,6 +11,8 @@ from typing import Optional
 
 import numpy as np
 
+from gnnlm.retrieval.sanity import Sanity
+
 
 @dataclass
 class KeyRetrieval:
@@ -34,7 +36,8 @@ class Results:
     token whose value is the target (Meng et al. 2022 eq. 6); ``data_checks``:
     ``gnnlm.pipeline.data_checks.measure``'s shares; ``ablations``: the ablation stage's
     result, if it ran; ``environment``: the machine and versions the report is written on
-    (``gnnlm.utils.environment.describe``)."""
+    (``gnnlm.utils.environment.describe``); ``retrieval_sanity[key]``: how much the key's
+    retrieval discriminates at its kNN row's fitted point (``gnnlm.retrieval.sanity``)."""
     name: str
     dataset: str
     level: str
@@ -50,6 +53,7 @@ class Results:
     data_checks: dict = field(default_factory=dict)
     ablations: Optional[dict] = None
     environment: Optional[dict] = None
+    retrieval_sanity: dict[str, Sanity] = field(default_factory=dict)
 
     @property
     def test_tokens(self) -> int:

@@ -21,7 +21,13 @@ from gnnlm.gnn.pq import build_pq
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
 from gnnlm.pipeline import data_checks, rows
-from gnnlm.pipeline.ablations import ABLATIONS_VERSION, neighbours_label, outdated, run_ablations
+from gnnlm.pipeline.ablations import (
+    ABLATIONS_VERSION,
+    neighbours_label,
+    outdated,
+    run_ablations,
+    scores_label,
+)
 from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, merged_yaml, yaml_list
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
@@ -31,6 +37,7 @@ from gnnlm.retrieval.index import build_index
 from gnnlm.retrieval.knn import fit_and_score, fit_lambda, interpolate
 from gnnlm.retrieval.knn_cache import build_knn_cache, open_knn_cache, search_facts
 from gnnlm.retrieval.neighbors import build_neighbors
+from gnnlm.retrieval.sanity import retrieval_sanity
 from gnnlm.text.tokens import HFTokenizer, TokenizerConfig, TokenStore, build_tokens
 from gnnlm.utils import environment
 from gnnlm.utils.metrics import check_finite
@@ -195,7 +202,7 @@ def search_label(workdir: Workdir, retrieval: KeyRetrieval) -> dict:
     manifest = retrieval.knn_caches["test"]
     facts = search_facts(manifest, workdir)
     return {"neighbours": neighbours_label(facts),
-            "scores": "exact" if facts["scores_are_exact"] else "approximate (index)",
+            "scores": scores_label(facts),
             # the cache's own setting: what `gnnlm.load` searches new text with
             "knn_scores": manifest["scores"]}
 
@@ -335,6 +342,8 @@ def score_knn_rows(cfg: PipelineConfig, workdir: Workdir, results: Results) -> N
         with timed(f"knn_fit[{key}]"):  # (k, T, λ) on valid, test scored
             caches = knn_caches(cfg, workdir, key)
             result = fit_and_score(caches["valid"], caches["test"], *cfg.knn.grid())
+            results.retrieval_sanity[key] = retrieval_sanity(caches["valid"], cfg.knn.metric,
+                                                             result, cfg.knn.grid())
         results.add_interpolation(rows.knn_row(key, cfg.knn.primary), result.pop("test_logprob"),
                                   {**result, "similarity": cfg.knn.metric, "key": key,
                                    **search_label(workdir, retrieval)})

@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional, cast
 
 import numpy as np
 
+from gnnlm.pipeline.ablations import search_description
 from gnnlm.retrieval.knn import (
     DEFAULT_LAMBDAS,
     base_perplexity,
@@ -165,7 +166,7 @@ def write_sweep(result: Sweep, out_dir: str | Path, *, use_wandb: bool = True,
         writer.writerows(rows)
     heatmap = out_dir / "sweep_heatmap.png"
     i, j, n = result.chosen
-    _write_heatmap(heatmap, result.valid_grid[i], result.temperatures, result.lambdas, result.k,
+    write_heatmap(heatmap, result.valid_grid[i], result.temperatures, result.lambdas, result.k,
                    (j, n), result.base_valid_ppl)
     (out_dir / "sweep.md").write_text(_markdown(result))
     result.files = {name: str(out_dir / name) for name in FILES}
@@ -194,8 +195,7 @@ def _markdown(result: Sweep) -> str:
         f"# kNN-LM sweep\n\n"
         f"Chosen on valid ({result.valid_tokens} tokens) over {result.points} points "
         f"(k ∈ {result.ks}, T ∈ {result.temperatures}, λ ∈ {result.lambdas}); key "
-        f"{cache['key']}, metric {cache['metric']}, {cache['scores']} scores, "
-        f"{cache['backend']} neighbours ({cache['factory']}).\n\n"
+        f"{cache['key']}, {cache['metric']}: {searched(cache)}.\n\n"
         f"| | k | T | λ | valid ppl | test ppl |\n|---|---|---|---|---|---|\n"
         f"| base LM | | | 0 | {result.base_valid_ppl:.3f} | {result.base_test_ppl:.3f} |\n"
         f"| kNN-LM | {result.k} | {result.temperature:g} | {result.lambda_:g} | "
@@ -206,7 +206,16 @@ def _markdown(result: Sweep) -> str:
         f"{result.k}: `sweep_heatmap.png`.\n")
 
 
-def _write_heatmap(path: Path, grid_at_k: np.ndarray, temperatures: Sequence[float],
+def searched(cache: dict) -> str:
+    """The caches' neighbours and scores in the words of results.md and the printed table
+    (``gnnlm.pipeline.ablations.search_description``); the cache's own ``knn.scores`` setting
+    beside them, since "faiss" scores from a re-ranked search are exact."""
+    if cache.get("scores_are_exact") is None:  # arrays given directly, or an old cache
+        return f"{cache.get('scores')} scores (what was searched is not recorded)"
+    return f"{search_description(cache)} (knn.scores: {cache['scores']})"
+
+
+def write_heatmap(path: Path, grid_at_k: np.ndarray, temperatures: Sequence[float],
                    lambdas: Sequence[float], k: int, best: tuple[int, int],
                    base_ppl: float) -> None:
     # The object API with an Agg canvas: no pyplot global state, no display needed.
