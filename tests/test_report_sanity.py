@@ -145,3 +145,23 @@ def test_an_lm_trained_80_steps_gives_a_degenerate_datastore_the_report_warns_of
     retrieval = markdown.split("\nRetrieval:\n", 1)[1]
     assert "exact neighbours (index Flat: every key scored)" in retrieval
     assert "against exact search" not in retrieval and "faiss scores" not in sweep_md
+
+
+def test_a_flat_index_s_line_says_exact_neighbours_and_gives_its_agreement_not_recall():
+    """A Flat index scores every key: its neighbours are the exact ones, as the kNN-LM rows'
+    label says; what the index stage measured against exact search is agreement (ties), not the
+    recall of an approximate search."""
+    from gnnlm.pipeline.ablations import neighbours_label
+    from gnnlm.pipeline.report import _retrieval_facts, _retrieval_line
+    from gnnlm.pipeline.results import KeyRetrieval
+
+    table = [{"nprobe": 1, "rerank": 0.0, "depth": 128, "recall@10": 0.9494, "recall@100": 0.97,
+              "recall@64": 0.96, "queries_per_s": 900.0}]
+    index = {"factory": "Flat", "tuning": table}
+    test = {"backend": "index", "factory": "Flat", "nprobe": 1, "rerank": 0.0, "K": 64,
+            "queries_per_s": 1000.0}
+    line = _retrieval_line("final", _retrieval_facts(KeyRetrieval(index, {"test": test}, {})))
+    assert neighbours_label(test) == "exact neighbours"
+    assert line.startswith("- key final: exact neighbours (index Flat: every key scored), K = 64")
+    assert "0.9494/0.97/0.96 of neighbours (the rest tie" in line
+    assert "recall" not in line and "nprobe" not in line and "re-ranking" not in line

@@ -41,8 +41,8 @@ from gnnlm.retrieval.knn import check_k, default_temperatures, sweep
 FLAT_SHARE_WARN = 0.2
 # 0.05 × the metric grid's smallest T: within it, weights differ by under 5% at any T of the grid
 FLAT_TOLERANCE_OF_T = 0.05
-# rows per block: sims [rows, K] float64 stays small whatever the split's length
-_BLOCK = 1 << 15
+# rows per block: sims [rows, K] in float64 stay under 32 MB at K = 1024, whatever the split
+_BLOCK = 1 << 12
 
 
 def flat_tolerance(metric: str) -> float:
