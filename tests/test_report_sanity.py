@@ -138,6 +138,7 @@ def test_an_lm_trained_80_steps_gives_a_degenerate_datastore_the_report_warns_of
     hp = results["hparams"]["knn"]
     words = f"{hp['neighbours']} + {hp['scores']} scores"
     assert f"key final, cos: {words}" in sweep_md
+    assert "Note: T changes valid perplexity by" in sweep_md       # 0.08% measured
     assert f"+kNN: {words}" in printed
     markdown = (report / "results.md").read_text()
     assert f"neighbours={hp['neighbours']}, scores={hp['scores']}" in markdown

@@ -140,3 +140,26 @@ def test_sweep_md_names_the_neighbours_and_scores_as_the_report_does(tmp_path):
     write_sweep(old, tmp_path / "old_out", use_wandb=False)
     assert "faiss scores (what was searched is not recorded)" in (
         tmp_path / "old_out" / "sweep.md").read_text()
+
+
+def test_sweep_md_notes_a_temperature_that_changes_nothing(tmp_path):
+    """Neighbours whose similarities tie (keys that all point the same way): every T gives the
+    same perplexity, and sweep.md says the kNN part smooths rather than retrieves; a cache whose
+    neighbours differ gets no such note."""
+    rng = np.random.default_rng(0)
+    n, K = 300, 8
+    cache = {"sims": np.full((n, K), 0.99999, dtype=np.float32),
+             "hits": rng.random((n, K)) < 0.3,
+             "lm_logprob": np.log(rng.uniform(0.005, 0.3, n)).astype(np.float32)}
+    temps = default_temperatures("cos")
+    flat = sweep_caches(cache, cache, [8], temps, [0.0, 0.2, 0.5])
+    assert flat.lambda_ > 0
+    write_sweep(flat, tmp_path / "flat", use_wandb=False)
+    said = (tmp_path / "flat" / "sweep.md").read_text()
+    assert "Note: T changes valid perplexity by 0.00%" in said
+    write_cache(tmp_path / "valid", 300, 8, seed=0)
+    write_cache(tmp_path / "test", 300, 8, seed=1)
+    apart = sweep_caches(tmp_path / "valid", tmp_path / "test", [8], [0.5, 1.0, 2.0], [0.0, 0.5])
+    assert apart.lambda_ > 0
+    write_sweep(apart, tmp_path / "apart", use_wandb=False)
+    assert "Note: T changes" not in (tmp_path / "apart" / "sweep.md").read_text()

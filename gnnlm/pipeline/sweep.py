@@ -7,7 +7,9 @@ perplexity and scores test at that point only (test never chooses anything): a `
 ``write_sweep`` writes it into ``out_dir``:
 
 - ``sweep.csv``: one row per grid point (k, temperature, lambda, valid_ppl);
-- ``sweep.md``: the chosen point, base LM and kNN-LM perplexity on valid and test;
+- ``sweep.md``: the chosen point, base LM and kNN-LM perplexity on valid and test, the
+  caches' neighbours and scores, and a note when T changes nothing (retrieval that does not
+  discriminate: ``gnnlm.retrieval.sanity``);
 - ``sweep_heatmap.png``: valid perplexity over λ × T at the chosen k;
 - ``sweep.json``: ``Sweep.to_json()`` (machine-readable);
 
@@ -35,6 +37,7 @@ from gnnlm.retrieval.knn import (
     sweep,
 )
 from gnnlm.retrieval.knn_cache import open_knn_cache
+from gnnlm.retrieval.sanity import TEMPERATURE_EFFECT_NOTE
 from gnnlm.workdir.artifacts import write_json_atomic
 
 # what a sweep records of its caches' search (an index re-ranked exactly gives exact scores
@@ -202,8 +205,26 @@ def _markdown(result: Sweep) -> str:
         f"{result.valid_ppl:.3f} | {result.test_ppl:.3f} |\n\n"
         + (f"Note: the best {', '.join(edge)} lies on the edge of the grid; widen it to be sure "
            f"of the optimum.\n\n" if edge else "")
+        + _temperature_note(result)
         + f"Sweep speed: {result.points_per_s} points/s. Grid: `sweep.csv`; λ × T at k = "
         f"{result.k}: `sweep_heatmap.png`.\n")
+
+
+def _temperature_note(result: Sweep) -> str:
+    """A note when T changes valid perplexity by almost nothing at the chosen k and λ: the
+    neighbours' similarities do not differ, and kNN-LM's gain is not retrieval
+    (``gnnlm.retrieval.sanity``)."""
+    by_t = result.valid_grid[result.chosen[0], :, result.chosen[2]]
+    if len(by_t) < 2 or result.lambda_ == 0:
+        return ""
+    effect = float((by_t.max() - by_t.min()) / by_t.min())
+    if effect >= TEMPERATURE_EFFECT_NOTE:
+        return ""
+    return (f"Note: T changes valid perplexity by {effect:.2%} at k = {result.k}, λ = "
+            f"{result.lambda_:g}: the neighbours' similarities barely differ, so the kNN part "
+            f"smooths rather than retrieves (every row of the heatmap alike). Likely cause: an "
+            f"under-trained base LM whose keys all point the same way; see the report's "
+            f"retrieval warning.\n\n")
 
 
 def searched(cache: dict) -> str:

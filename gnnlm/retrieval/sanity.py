@@ -39,6 +39,9 @@ from gnnlm.retrieval.knn import check_k, default_temperatures, sweep
 #   (`att` keys 4.8e-3), 0.00% within 1e-4 at k = 64 (5.5% at k = 8), T changes it by 2.2%.
 # A fifth of queries sits between the two at every k from 8 to 64.
 FLAT_SHARE_WARN = 0.2
+# T moving valid perplexity by less than this at the fitted k and λ is T changing nothing
+# (measured above: 0.08% degenerate, 2.2-2.5% healthy); `gnnlm sweep` notes it.
+TEMPERATURE_EFFECT_NOTE = 0.005
 # 0.05 × the metric grid's smallest T: within it, weights differ by under 5% at any T of the grid
 FLAT_TOLERANCE_OF_T = 0.05
 # rows per block: sims [rows, K] in float64 stay under 32 MB at K = 1024, whatever the split
