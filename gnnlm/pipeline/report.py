@@ -258,7 +258,9 @@ def made_by_line(made_by: dict) -> str:
 
 
 def _markdown(results: dict) -> str:
-    lines = [f"# {results['name']}: {results['dataset']}", "",
+    heading = results["name"] + ("" if results["dataset"] == results["name"]  # an own corpus
+                                 else f": {results['dataset']}")
+    lines = [f"# {heading}", "",
              f"Test tokens: {results['tokens']:,}, every one scored once by every row; rows "
              f"read with different windows or segments are in separate tables.", ""]
     if "unk_share" in results:
