@@ -32,6 +32,20 @@ def test_the_readme_runs_the_example_config_with_the_command_its_first_line_name
     assert shlex.split(first.removeprefix("# ")) == readme_command()
 
 
+def test_the_run_is_named_after_the_corpus_folder_unless_named(tmp_path, monkeypatch):
+    from gnnlm.pipeline.config import load_config
+
+    monkeypatch.chdir(REPO)
+    corpus = tmp_path / "lawtexts"
+    corpus.mkdir()
+    cfg = load_config(["-c", EXAMPLE, f"--corpus.path={corpus}/"])
+    assert (cfg.corpus.name, cfg.name, cfg.workdir) == ("lawtexts", "lawtexts", "runs/lawtexts")
+    cfg = load_config(["-c", EXAMPLE, f"--corpus.path={corpus}", "--name=laws-v2"])
+    assert (cfg.corpus.name, cfg.name, cfg.workdir) == ("lawtexts", "laws-v2", "runs/laws-v2")
+    cfg = load_config(["-c", EXAMPLE, f"--corpus.path={corpus}", f"--workdir={tmp_path / 'w'}"])
+    assert (cfg.name, cfg.workdir) == ("lawtexts", str(tmp_path / "w"))
+
+
 @pytest.mark.integration
 def test_the_own_corpus_example_runs_as_the_readme_says(wikitext_root, tmp_path):
     corpus = tmp_path / "wiki-slice"                       # the user's own folder
