@@ -258,7 +258,8 @@ def made_by_line(made_by: dict) -> str:
 
 
 def _markdown(results: dict) -> str:
-    heading = results["name"] + ("" if results["dataset"] == results["name"]  # an own corpus
+    # a run named after its corpus (one's own corpus, by default) says the name once
+    heading = results["name"] + ("" if results["dataset"] == results["name"]
                                  else f": {results['dataset']}")
     lines = [f"# {heading}", "",
              f"Test tokens: {results['tokens']:,}, every one scored once by every row; rows "
