@@ -47,9 +47,15 @@ def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
     with pytest.raises(ValueError, match=r"train_tokens = 350000 positions but only the first "
                                          r"neighbors.train_queries = 5000"):
         load_config([*CPU, "--neighbors.train_queries=5000"])
-    with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(graph.k, "
-                                         r"retrieved or eval_ks\) but neighbors.K = 4"):
+    with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(graph.k = 16, "
+                                         r"eval_ks \[16, 32, 64, 128\]\) but neighbors.K = 4 "
+                                         r"are stored: lower them to at most 4, or raise "
+                                         r"neighbors.K.$"):
         load_config([*CPU, "--neighbors.K=4", "--knn.ks=[4]"])
+    # an evaluation k above the K stored (the WikiText-2 config on a small corpus's pipeline)
+    with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(eval_ks "
+                                         r"\[128\]\) but neighbors.K = 64 are stored"):
+        load_config([*CPU, "--neighbors.K=64", "--knn.ks=[8]"])
 
 
 def test_a_missing_head_config_is_refused():

@@ -169,7 +169,8 @@ def test_a_pipeline_corpus_other_than_the_trained_base_lm_s_is_refused_at_load(t
 
 def test_the_pipeline_s_corpus_is_what_its_base_lm_is_trained_on(tmp_path, monkeypatch):
     """A base LM config that names no corpus takes the pipeline's, passed to `gnnlm fit`; the
-    tokens are built once, from the pipeline's section, and are an input of the trained LM."""
+    tokens are built once, from the pipeline's section (the corpus named after its folder),
+    and are an input of the trained LM."""
     import gnnlm.pipeline.stages as pipeline
 
     mine = write_corpus(tmp_path / "mine", train=CORPUS_B, valid=CORPUS_B, test=CORPUS_B)
@@ -187,7 +188,7 @@ def test_the_pipeline_s_corpus_is_what_its_base_lm_is_trained_on(tmp_path, monke
     store = stage_tokens(cfg, Workdir(cfg.workdir), "")
     assert store.manifest["sources"]["train"] == str(mine / "train.txt")
     assert calls == [("base_lm", {"tokens": store.manifest["fingerprint"]}, [
-        "--data.init_args.corpus=my-corpus", f"--data.init_args.corpus_path={mine}",
+        "--data.init_args.corpus=mine", f"--data.init_args.corpus_path={mine}",
         "--data.init_args.data_dir=null",
         '--data.init_args.tokenizer={"kind": "word", "vocab_size": 32000, "path": null, '
         '"max_vocab": 5000}'])]

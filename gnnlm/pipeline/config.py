@@ -113,16 +113,21 @@ class CorpusConfig:
 
     Args:
         name: the corpus's name: ``wikitext-2`` or ``wikitext-103`` (``-raw`` for the raw
-            text), downloaded when not found, or your own corpus's folder name.
+            text), downloaded when not found, or your own corpus's folder name (unset: the
+            last folder of ``path``, else ``wikitext-2``).
         path: the folder holding train.txt, valid.txt and test.txt (or its parent, the folder
             named ``name``).
         data_dir: a folder holding corpora by name (unset: ``$GNNLM_DATA``).
         tokenizer: how its text becomes token ids.
     """
-    name: str = "wikitext-2"
+    name: str = ""
     path: Optional[str] = None
     data_dir: Optional[str] = None
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+    def __post_init__(self):
+        if not self.name:  # /data/lawtexts is the corpus lawtexts
+            self.name = Path(self.path).resolve().name if self.path else "wikitext-2"
 
     def fit_args(self) -> list[str]:
         """The ``gnnlm fit`` flags that make the base LM's data module read this corpus."""
@@ -303,8 +308,10 @@ class PipelineConfig:
     """A pipeline run: its stages' settings, one section each (``--help=SECTION``).
 
     Args:
-        name: the run's name: the report goes to <workdir>/reports/<name>/
-        workdir: the work directory every stage writes its artifact folder under
+        name: the run's name: the report goes to <workdir>/reports/<name>/ (unset: the corpus
+            section's name, else wikitext2)
+        workdir: the work directory every stage writes its artifact folder under (unset:
+            runs/<name>)
         base_lm: the frozen base LM: a checkpoint, hf:<name-or-folder>, or YAMLs to train it
         corpus: the corpus and tokenizer of the whole run (unset: the base LM config's own)
         features: the sliding windows that encode every split with the base LM
@@ -324,8 +331,8 @@ class PipelineConfig:
         rebuild: stages to build again although complete, e.g. [index,neighbors] (true: all)
         copy_report_to: a folder to copy reports/<name>/ into when the run ends (made if absent)
     """
-    name: str = "wikitext2"
-    workdir: str = "runs/wikitext2"
+    name: str = ""
+    workdir: str = ""
     base_lm: BaseLMConfig = field(default_factory=BaseLMConfig)
     corpus: Optional[CorpusConfig] = None
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -371,6 +378,14 @@ class PipelineConfig:
         chains = [yaml_list(self.base_lm.config) if self.base_lm.ckpt is None else [],
                   yaml_list(self.ablations.memory_lm), *self.heads().values()]
         return [chain for chain in chains if chain]
+
+    def __post_init__(self):
+        # a run on one's own corpus is named after it: --corpus.path=/data/lawtexts writes
+        # runs/lawtexts/reports/lawtexts/ unless name or workdir is given
+        if not self.name:
+            self.name = self.corpus.name if self.corpus is not None else "wikitext2"
+        if not self.workdir:
+            self.workdir = f"runs/{self.name}"
 
 
 # what each section of a pipeline config is for, one line each (``--help`` lists them)

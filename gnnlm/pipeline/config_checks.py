@@ -231,8 +231,14 @@ def _check_head(cfg: PipelineConfig, row: str, paths: list[str], merged: dict) -
     k = max([int((args.get("graph") or {}).get("k") or 0), int(args.get("retrieved") or 0),
              *(int(k) for k in args.get("eval_ks") or [])])
     if k > cfg.neighbors.K:
-        raise ValueError(f"{where} keeps k = {k} neighbours per token (graph.k, retrieved or "
-                         f"eval_ks) but neighbors.K = {cfg.neighbors.K} are stored.")
+        # which settings ask for more than the K stored neighbours of each token
+        eval_ks = [int(k) for k in args.get("eval_ks") or [] if int(k) > cfg.neighbors.K]
+        too_many = [f"{name} = {value}" for name, value in (
+            ("graph.k", (args.get("graph") or {}).get("k")), ("retrieved", args.get("retrieved")))
+            if value and int(value) > cfg.neighbors.K] + ([f"eval_ks {eval_ks}"] if eval_ks else [])
+        raise ValueError(f"{where} keeps k = {k} neighbours per token ({', '.join(too_many)}) "
+                         f"but neighbors.K = {cfg.neighbors.K} are stored: lower them to at "
+                         f"most {cfg.neighbors.K}, or raise neighbors.K.")
     covered = cfg.neighbors.train_queries
     asked = args.get("train_tokens")
     if covered is not None and asked is not None and int(asked) > covered:

@@ -280,7 +280,10 @@ def made_by_line(made_by: dict) -> str:
 
 
 def _markdown(results: dict) -> str:
-    lines = [f"# {results['name']}: {results['dataset']}", "",
+    # a run named after its corpus (one's own corpus, by default) says the name once
+    heading = results["name"] + ("" if results["dataset"] == results["name"]
+                                 else f": {results['dataset']}")
+    lines = [f"# {heading}", "",
              f"Test tokens: {results['tokens']:,}, every one scored once by every row; rows "
              f"read with different windows or segments are in separate tables.", ""]
     if "unk_share" in results:

@@ -23,7 +23,7 @@ import torch
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.utils.metrics import check_finite, ppl_from_logprobs
-from gnnlm.utils.progress import say
+from gnnlm.utils.progress import format_seconds, say
 from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
 from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint, plain_classes
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
@@ -390,12 +390,29 @@ def predict_tokens(model, datamodule, split: str, n: int, precision: str = "32-t
     model's predict outputs (SPALM: ``gate``), on one device with the training run's precision.
 
     The split is set here, once, on both: the data module serves it and the model records
-    what it computes on it (``predict_split``)."""
+    what it computes on it (``predict_split``). The pass prints its progress (tokens, tokens/s,
+    ETA: ``PredictProgress``), naming the evaluation k of a GNN-LM data module."""
     import pytorch_lightning as pl
 
+    from gnnlm.lit.predict_progress import PredictProgress
+
     datamodule.predict_split = model.predict_split = split
-    trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, precision=precision)
+    k = getattr(datamodule, "eval_k", None)
+    desc = f"score {type(model).__name__} {split}" + (f" at k = {k}" if k else "")
+    # Lightning's "GPU available: ..." lines, said by every Trainer: the fit said them once
+    # (whichever Lightning package was imported last logs them)
+    loggers = [logging.getLogger(f"{package}.utilities.rank_zero")
+               for package in ("pytorch_lightning", "lightning_fabric")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.WARNING)
+    try:
+        trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             precision=precision, callbacks=[PredictProgress(n, desc)])
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
     outputs = trainer.predict(model, datamodule=datamodule)
     positions = torch.cat([o["positions"] for o in outputs]).numpy()
     scored = np.zeros(n, dtype=bool)
@@ -429,12 +446,16 @@ def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
     and returns ``({"valid_ppl": {k: ppl}, "seconds": {k: s}, "chosen": k}, valid log p at the
     chosen k)``."""
     curve, seconds, best = {}, {}, None
-    for k in sorted(set(datamodule.hparams.eval_ks)):
+    ks = sorted(set(datamodule.hparams.eval_ks))
+    for i, k in enumerate(ks):
         datamodule.eval_k = k
+        say(f"[gnnlm] scoring valid at evaluation k = {k} ({i + 1} of {len(ks)}: "
+            f"{', '.join(map(str, ks))})")
         t0 = time.perf_counter()
         logprob = predict_logprobs(model, datamodule, "valid", n_valid, precision)
         seconds[k] = round(time.perf_counter() - t0, 2)
         curve[k] = ppl_from_logprobs(logprob)
+        say(f"  valid at k = {k}: ppl {curve[k]:.2f} ({format_seconds(seconds[k])})")
         if best is None or curve[k] < curve[best[0]]:
             best = (k, logprob)
     assert best is not None
