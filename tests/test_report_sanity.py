@@ -120,6 +120,7 @@ def test_an_lm_trained_80_steps_gives_a_degenerate_datastore_the_report_warns_of
     config = "configs/examples/own_corpus/pipeline.yaml"
     args = shlex.split((REPO / config).read_text().splitlines()[0].removeprefix("# "))[1:]
     args = [f"--corpus.path={corpus}" if a.startswith("--corpus.path=") else a for a in args]
+    args += ["--gnn.config=null", "--neighbors.train_queries=1000"]  # kNN-LM alone: no heads
     printed = run_gnnlm(args, tmp_path, timeout=900).stdout
     report = tmp_path / "runs" / "my-corpus" / "reports" / "my-corpus"
     results = json.loads((report / "results.json").read_text())
@@ -133,7 +134,7 @@ def test_an_lm_trained_80_steps_gives_a_degenerate_datastore_the_report_warns_of
     for name in PLOTS:
         assert (report / name.format(key="final")).stat().st_size > 0
 
-    run_gnnlm(["sweep", "-c", config, f"--corpus.path={corpus}"], tmp_path)
+    run_gnnlm(["sweep", "-c", config, f"--corpus.path={corpus}", *args[-2:]], tmp_path)
     sweep_md = (report / "sweep" / "sweep.md").read_text()
     hp = results["hparams"]["knn"]
     words = f"{hp['neighbours']} + {hp['scores']} scores"
