@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
-from gnnlm.models.settings import DEFAULT_CONTEXT, is_hf
+from gnnlm.models.settings import DEFAULT_CONTEXT, check_hf_folder, is_hf
 from gnnlm.pipeline.config_files import merged_yaml, yaml_list
 from gnnlm.text.corpus import locate_corpus
 from gnnlm.text.settings import TokenizerConfig, tokenizer_settings
 from gnnlm.utils.devices import check_accelerator, check_available, check_faiss_available
 from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
+from gnnlm.workdir.layout import check_workdir
 
 if TYPE_CHECKING:
     from gnnlm.pipeline.config import CorpusConfig, PipelineConfig
@@ -51,6 +52,7 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         unknown = [s for s in cfg.rebuild if s not in known]
         if unknown:
             raise ValueError(f"--rebuild names stages {sorted(known)} (got {unknown}).")
+    check_workdir(cfg.workdir)
     if cfg.copy_report_to and os.path.exists(cfg.copy_report_to) and not os.path.isdir(
             cfg.copy_report_to):  # refused now, not when every stage has run
         raise ValueError(f"copy_report_to = {cfg.copy_report_to} is a file: name a folder "
@@ -284,6 +286,7 @@ def base_lm_shape(cfg: PipelineConfig) -> Optional[tuple[int, int]]:
         args = {**defaults, **(model.get("init_args") or {})}
         return _shape(args.get("context_length"), args.get("d_model"))
     if is_hf(spec):
+        check_hf_folder(spec)
         return _hf_shape(spec.removeprefix("hf:"))
     if not Path(spec).is_file():
         return None

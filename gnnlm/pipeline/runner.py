@@ -551,6 +551,12 @@ def check_fit_config(configs: list[str]) -> None:
     except SystemExit:
         text = printed.getvalue()
         error = text[text.find("error:") + len("error:"):] if "error:" in text else text
+        from gnnlm.lit.config_errors import unknown_key
+
+        unknown = unknown_key(error)
+        if unknown is not None:
+            raise ValueError(f"The `gnnlm fit` config {' + '.join(configs)} does not parse: "
+                             f"{unknown}") from None
         details = [line.strip() for line in error.splitlines()
                    if line.strip() and not line.strip().startswith(("Subtypes:", "- Expected a",
                                                                      "Given value"))]
