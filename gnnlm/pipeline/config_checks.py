@@ -286,7 +286,6 @@ def base_lm_shape(cfg: PipelineConfig) -> Optional[tuple[int, int]]:
         args = {**defaults, **(model.get("init_args") or {})}
         return _shape(args.get("context_length"), args.get("d_model"))
     if is_hf(spec):
-        check_hf_folder(spec)
         return _hf_shape(spec.removeprefix("hf:"))
     if not Path(spec).is_file():
         return None
@@ -355,9 +354,12 @@ def _check_against_base_lm(cfg: PipelineConfig) -> None:
 
 def check_machine(cfg: PipelineConfig) -> None:
     """The settings that ask this machine for a GPU: ``features.device``, ``index.device`` and
-    ``trainer.accelerator`` of every trained part the pipeline runs. Checked by the commands
+    ``trainer.accelerator`` of every trained part the pipeline runs; and for a model folder
+    (``base_lm.ckpt: hf:<folder>``), that it is there. Checked by the commands
     that run those stages (``gnnlm pipeline``), not by those that read their results (a GPU
     config is fine for ``gnnlm sweep`` on a laptop)."""
+    if cfg.base_lm.ckpt is not None and is_hf(cfg.base_lm.ckpt):
+        check_hf_folder(cfg.base_lm.ckpt)  # a model folder on this machine
     check_available(cfg.features.device, "features.device")
     check_faiss_available(cfg.index.device, "index.device")
     for chain in cfg.fit_chains():
