@@ -74,3 +74,18 @@ def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
 def test_a_missing_head_config_is_refused():
     with pytest.raises(FileNotFoundError, match="configs/nowhere.yaml does not exist"):
         load_config([*CPU, "--spalm.config=configs/nowhere.yaml"])
+
+
+@pytest.mark.parametrize("overlay,key", [
+    ("data:\n  init_args:\n    batch_size: 0\n", "data.init_args.batch_size = 0"),
+    ("model:\n  init_args:\n    n_layer: -1\n", "model.init_args.n_layer = -1"),
+    ("data:\n  init_args:\n    eval_stride: 0\n", "data.init_args.eval_stride = 0"),
+])
+def test_a_fit_config_with_a_count_that_is_not_positive_is_refused(overlay, key, tmp_path):
+    (tmp_path / "bad.yaml").write_text(overlay)
+    chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/base_lm.yaml",
+             str(tmp_path / "bad.yaml")]
+    with pytest.raises(ValueError) as refused:
+        load_config([*CPU, f"--base_lm.config=[{','.join(chain)}]"])
+    assert str(refused.value) == (f"The `gnnlm fit` config {' + '.join(chain)} sets {key}: it "
+                                  f"must be >= 1.")

@@ -71,6 +71,8 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         raise ValueError("corpus.tokenizer kind 'hf' without a path means the Hugging Face base "
                          "LM's own tokenizer, but base_lm.ckpt is not hf:<name-or-folder>: give "
                          "corpus.tokenizer.path.")
+    for chain in cfg.fit_chains():
+        _check_fit_counts(chain, merged_yaml(chain))
     if cfg.ablations.memory_lm is not None:
         merged_yaml(yaml_list(cfg.ablations.memory_lm))  # the files exist and parse
     for row, paths in cfg.heads().items():
@@ -79,6 +81,31 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         merged_yaml(paths)
     _check_against_base_lm(cfg)
     _check_corpus(cfg, files)
+
+
+# the sizes and counts of a `gnnlm fit` config's model and data sections: each must be >= 1
+# when set, or the fit would fail, or run on nothing, only after the stages before it (the
+# counts of windows, graph.k, retrieved and eval_ks, are `_check_head`'s)
+FIT_COUNTS = ("context_length", "n_layer", "n_head", "d_model", "d_ff", "num_layers", "heads",
+              "max_windows", "block_size", "eval_context", "eval_stride", "batch_size",
+              "eval_batch_size", "train_tokens", "eval_tokens", "eval_streams")
+
+
+def _check_fit_counts(paths: list[str], merged: dict) -> None:
+    """Refuse a count of a trained part's config that is not positive, naming its key."""
+    def walk(node: Any, where: str):
+        for key, value in (node.items() if isinstance(node, dict) else ()):
+            if isinstance(value, dict):
+                yield from walk(value, f"{where}.{key}")
+            elif key in FIT_COUNTS:
+                yield f"{where}.{key}", value
+
+    for section in ("model", "data"):
+        for key, value in walk((merged.get(section) or {}).get("init_args") or {},
+                               f"{section}.init_args"):
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ValueError(f"The `gnnlm fit` config {' + '.join(paths)} sets {key} = "
+                                 f"{value}: it must be >= 1.")
 
 
 # the pipeline's corpus fields and the ``LMDataModule`` arguments that name the same thing
