@@ -68,7 +68,6 @@ def load_base_lm(spec: str, options: Optional[dict] = None) -> BaseLM:
         from gnnlm.models.hf import HFCausalLM
 
         check_hf_folder(spec, "base LM")
-
         model: BaseLM = HFCausalLM.from_pretrained(spec.removeprefix("hf:"), **options)
     else:
         if options:

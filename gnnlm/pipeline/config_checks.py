@@ -12,10 +12,13 @@ A pipeline YAML names, per stage, its settings; trained parts (the base LM and t
   ``neighbors.train_queries`` positions that have train neighbours (``train_tokens`` unset:
   every position that has them), with every count of windows (``graph.k``, ...) >= 1;
 - a corpus or tokenizer other than the base LM's (the rule is in ``CorpusConfig``);
+- a size or count below 1 in a trained part's config (``FIT_COUNTS``), and a work directory
+  that cannot be one (an empty path, a file);
 - feature windows beyond the base LM's context and an index factory faiss cannot build for
   its hidden size, where ``base_lm_shape`` knows them at load.
 
-``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU. Settings
+``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU, and an
+``hf:<folder>`` base LM whose folder is not there. Settings
 out of range within one section are each dataclass's own check (``gnnlm.pipeline.config``).
 """
 from __future__ import annotations
