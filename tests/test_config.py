@@ -29,6 +29,25 @@ def test_overlays_merge_key_by_key():
     ("--knn.metric=dot", r"metric must be one of \('cos', 'ip', 'l2'\) \(got 'dot'\)"),
     ("--neighbors.K=0", r"neighbors.K must be >= 1 \(got 0\)"),
     ("--copy_report_to=README.md", r"copy_report_to = README.md is a file: name a folder"),
+    # every count is refused at load when it is not positive, not after hours of work
+    ("--corpus.tokenizer.max_vocab=-1", r"tokenizer.max_vocab must be >= 3 \(<eos>, <unk> "
+                                        r"and at least one word\).*\(got -1\)"),
+    ("--corpus.tokenizer.max_vocab=2", r"tokenizer.max_vocab must be >= 3"),
+    ("--corpus.tokenizer.vocab_size=0", r"tokenizer.vocab_size must be >= 1 \(got 0\)"),
+    ("--features.max_tokens={valid: 0}", r"features.max_tokens.valid must be >= 1 \(got 0\): "
+                                         r"leave the split out for all of it"),
+    ("--features.max_tokens={vaild: 10}", r"features.max_tokens names 'vaild': the splits are"),
+    ("--pq.m=0", r"pq.m \(bytes per vector\) must be >= 1, or null for d/4 \(got 0\)"),
+    ("--pq.train_sample=-5", r"pq.train_sample must be >= 1 \(got -5\)"),
+    ("--pq.chunk=0", r"pq.chunk must be >= 1 \(got 0\)"),
+    ("--ablations.eval_tokens=0", r"ablations.eval_tokens must be >= 1, or null"),
+    ("--neighbors.batch_size=-1", r"neighbors.batch_size must be >= 1 \(got -1\)"),
+    ("--neighbors.train_queries=0", r"neighbors.train_queries must be >= 1"),
+    ("--index.recall_queries=-1", r"index.recall_queries must be >= 0 \(got -1\)"),
+    ("--features.context=-1", r"features.context must be >= 2 \(got -1\)"),
+    ("--features.stride=0", r"features.stride \(tokens between window starts\) must be >= 1"),
+    ("--features.batch_size=0", r"features.batch_size must be >= 1 \(got 0\)"),
+    ("--knn.ks=[8,0]", r"knn.ks and knn.k must be >= 1"),
 ])
 def test_bad_settings_are_refused_at_load(flag, message):
     with pytest.raises((ValueError, SystemExit)) as info:
@@ -61,3 +80,18 @@ def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
 def test_a_missing_head_config_is_refused():
     with pytest.raises(FileNotFoundError, match="configs/nowhere.yaml does not exist"):
         load_config([*CPU, "--spalm.config=configs/nowhere.yaml"])
+
+
+@pytest.mark.parametrize("overlay,key", [
+    ("data:\n  init_args:\n    batch_size: 0\n", "data.init_args.batch_size = 0"),
+    ("model:\n  init_args:\n    n_layer: -1\n", "model.init_args.n_layer = -1"),
+    ("data:\n  init_args:\n    eval_stride: 0\n", "data.init_args.eval_stride = 0"),
+])
+def test_a_fit_config_with_a_count_that_is_not_positive_is_refused(overlay, key, tmp_path):
+    (tmp_path / "bad.yaml").write_text(overlay)
+    chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/base_lm.yaml",
+             str(tmp_path / "bad.yaml")]
+    with pytest.raises(ValueError) as refused:
+        load_config([*CPU, f"--base_lm.config=[{','.join(chain)}]"])
+    assert str(refused.value) == (f"The `gnnlm fit` config {' + '.join(chain)} sets {key}: it "
+                                  f"must be >= 1.")

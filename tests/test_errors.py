@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import CPU, LM
+from conftest import CPU, LM, REPO
 from fakes import error_of, save_lm_checkpoint, write_corpus, write_features
 
 from gnnlm.cli import main
@@ -48,17 +48,139 @@ def test_non_utf8_bytes_name_the_file_and_the_offset(tmp_path, capsys):
         f"decoded. Convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8).")
 
 
-def test_a_split_with_no_tokens(tmp_path, capsys):
+def test_a_split_prefix_of_no_tokens_is_refused_before_any_work(tmp_path, capsys):
     # characters of "a b a\n": a, space, b, newline, and <unk>: the LM's 5 outputs
     ckpt, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", vocab_size=5, context_length=16)
     path = write_corpus(tmp_path / "c", valid="a b\n", test="b a\n", train="a b a\n")
-    wd = Workdir(tmp_path / "w")
-    args = ["pipeline", *CPU, f"--workdir={wd.root}", f"--base_lm.ckpt={ckpt}",
+    wd = tmp_path / "w"
+    args = ["pipeline", *CPU, f"--workdir={wd}", f"--base_lm.ckpt={ckpt}",
             f"--corpus.path={path}", "--corpus.name=tiny", "--corpus.tokenizer.kind=char",
             "--features.context=16", "--features.stride=8", "--features.max_tokens={valid: 0}"]
     assert error_of(args, capsys) == (
-        f"gnnlm pipeline: error: Split 'valid' has no tokens to encode (features.max_tokens: 0, "
-        f"tokens in {wd.tokens}): give every split a positive prefix.")
+        "gnnlm pipeline: error: features.max_tokens.valid must be >= 1 (got 0): leave the split "
+        "out for all of it.")
+    assert not wd.exists()
+
+
+@pytest.mark.parametrize("flag", ["--corpus.tokenizer.max_vocab=-1",
+                                  "--corpus.tokenizer.max_vocab=0"])
+def test_a_vocabulary_of_no_words_is_refused_before_any_work(flag, tmp_path, capsys):
+    """``max_vocab: -1`` once ran the whole pipeline on <eos> and <unk> alone (perplexity 1.2)."""
+    wd = tmp_path / "w"
+    line = error_of(["pipeline", *CPU, f"--workdir={wd}", flag], capsys)
+    assert line == (f"gnnlm pipeline: error: tokenizer.max_vocab must be >= 3 (<eos>, <unk> and "
+                    f"at least one word), or null for every word of the train split "
+                    f"(got {flag.split('=')[1]}).")
+    assert not wd.exists()
+
+
+def test_a_tokenizer_of_a_fit_config_with_no_words(tmp_path, capsys):
+    line = fit_lm(tmp_path, capsys, "--data.init_args.tokenizer.max_vocab=-1")
+    assert line.startswith("gnnlm fit: error: tokenizer.max_vocab must be >= 3 ")
+    assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.parametrize("content,what", [
+    (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)),
+     "is not text: it is an ELF binary (it begins with b'\\x7fELF'): point the corpus at plain "
+     "text files."),
+    (b"\x1f\x8b\x08\x00rest",
+     "is not text: it is gzip-compressed (it begins with b'\\x1f\\x8b'): decompress it first "
+     "(gunzip)."),
+    (b"the cat\x00\x00sat\n",
+     "is not text: it holds a NUL byte at offset 7 (it begins with b'the cat\\x00'): point the "
+     "corpus at plain text files."),
+    ("the cat sat\n".encode("utf-16"),
+     "is UTF-16 text: convert it to UTF-8 (e.g. iconv -f utf-16 -t utf-8)."),
+])
+def test_a_split_file_that_is_not_text_says_so(content, what, tmp_path, capsys):
+    """Not advice to convert from Latin-1, which would turn a binary into nonsense text."""
+    path = write_corpus(tmp_path / "c", train=content)
+    assert fit_lm(tmp_path, capsys, f"--data.init_args.corpus_path={path}") == (
+        f"gnnlm fit: error: {path}/train.txt {what}")
+    assert not (tmp_path / "work" / "tokens").exists()
+
+
+@pytest.mark.parametrize("given,message", [
+    ("", "workdir is an empty path: name the folder the artifacts go to, e.g. runs/wikitext2 "
+         "('.' for the current directory)."),
+    ("a-file", "workdir {root}/a-file is a file, not a folder: name another path (the folder is "
+               "made if absent)."),
+    ("a-file/w", "workdir {root}/a-file/w lies under {root}/a-file, which is a file, not a "
+                 "folder: name another path."),
+])
+def test_a_work_directory_that_cannot_be_one(given, message, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a-file").write_text("notes\n")
+    workdir = f"{tmp_path}/{given}" if given else ""
+    assert error_of(["pipeline", *CPU, f"--workdir={workdir}"], capsys) == (
+        f"gnnlm pipeline: error: {message.format(root=tmp_path)}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]     # nothing written
+
+
+def test_an_empty_work_directory_of_a_fit(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", *(a if not a.startswith("configs/") else f"{REPO}/{a}" for a in LM),
+            "--data.init_args.workdir=", f"--trainer.default_root_dir={tmp_path / 'logs'}"]
+    assert error_of(args, capsys) == (
+        "gnnlm fit: error: The work directory (workdir) is an empty path: name the folder the "
+        "artifacts go to, e.g. runs/wikitext2 ('.' for the current directory).")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("spec,folder", [("hf:/no/such/folder", "/no/such/folder"),
+                                         ("hf:./typo", "./typo"), ("hf:~/typo", "~/typo")])
+def test_a_hugging_face_folder_that_does_not_exist(spec, folder, tmp_path, capsys):
+    """The Hub client would answer "Repo id must be in the form ..." of a folder's path."""
+    line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}", f"--base_lm.ckpt={spec}"],
+                    capsys)
+    assert line == (f"gnnlm pipeline: error: base_lm.ckpt {spec}: there is no folder {folder} "
+                    f"(relative paths are resolved against the current directory, {REPO}): "
+                    f"give the folder `save_pretrained` wrote, or a Hub name such as hf:gpt2.")
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_hugging_face_folder_without_a_model(tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}",
+                     f"--base_lm.ckpt=hf:{tmp_path / 'hf'}"], capsys)
+    assert line == (f"gnnlm pipeline: error: base_lm.ckpt hf:{tmp_path / 'hf'}: the folder "
+                    f"{tmp_path / 'hf'} holds no config.json, so it is not a saved Hugging Face "
+                    f"model: give the folder `save_pretrained` wrote, or a Hub name such as "
+                    f"hf:gpt2.")
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("overlay,message", [
+    ("model:\n  init_args:\n    n_layr: 2\n",
+     "model.init_args has no key 'n_layr' (LanguageModel): did you mean n_layer?"),
+    ("data:\n  init_args:\n    tokenizer:\n      max_vocb: 100\n",
+     "data.init_args.tokenizer has no key 'max_vocb' (LMDataModule's tokenizer): did you mean "
+     "max_vocab?"),
+    ("trainer:\n  max_stepz: 3\n",
+     "trainer has no key 'max_stepz': did you mean max_steps or max_time or min_steps?"),
+])
+def test_a_key_typo_in_a_fit_config_of_the_pipeline(overlay, message, tmp_path, capsys):
+    """Named with its section and the keys near it, not inside jsonargparse's text about the
+    Union of every LightningModule and None."""
+    (tmp_path / "typo.yaml").write_text(overlay)
+    chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/base_lm.yaml",
+             str(tmp_path / "typo.yaml")]
+    line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}",
+                     f"--base_lm.config=[{','.join(chain)}]"], capsys)
+    assert line == (f"gnnlm pipeline: error: The `gnnlm fit` config {' + '.join(chain)} does not "
+                    f"parse: {message}")
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_key_typo_in_a_head_config_lists_the_keys_when_none_is_close(tmp_path, capsys):
+    (tmp_path / "typo.yaml").write_text("data:\n  init_args:\n    graph:\n      zzz: 3\n")
+    chain = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",
+             "configs/wikitext2/gnnlm_cpu.yaml", str(tmp_path / "typo.yaml")]
+    line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}",
+                     f"--gnn.config=[{','.join(chain)}]"], capsys)
+    assert line.endswith("does not parse: data.init_args.graph has no key 'zzz' "
+                         "(GraphDataModule's graph): its keys are ctx_window, inter, k, left, "
+                         "right.")
 
 
 def test_a_typo_in_a_setting(capsys):

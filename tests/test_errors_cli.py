@@ -80,6 +80,23 @@ def test_a_yaml_syntax_error_names_the_file_and_the_line(command, tmp_path, caps
         f"gnnlm {command}: error: Config file {tmp_path / 'bad.yaml'} {YAML_ERROR}")
 
 
+@pytest.mark.parametrize("command", ["fit", "pipeline"])
+@pytest.mark.parametrize("text,message", [
+    ("", "is empty (or only comments): write its settings in it, or leave it out."),
+    ("# trainer:\n#   max_steps: 3\n",
+     "is empty (or only comments): write its settings in it, or leave it out."),
+    ("- trainer\n", "holds a YAML list, not settings: a config maps sections to their values "
+                    "(`section:` lines, the values indented under them)."),
+])
+def test_an_overlay_with_no_settings_names_the_file(command, text, message, tmp_path, capsys):
+    """jsonargparse would say only "Unexpected config:"."""
+    (tmp_path / "empty.yaml").write_text(text)
+    configs = LM if command == "fit" else CPU
+    assert error_of([command, *configs, "-c", str(tmp_path / "empty.yaml")], capsys) == (
+        f"gnnlm {command}: error: Config file {tmp_path / 'empty.yaml'} {message}")
+    assert sorted(os.listdir(tmp_path)) == ["empty.yaml"]
+
+
 def test_a_yaml_syntax_error_in_a_fit_config_of_the_pipeline(tmp_path, capsys):
     (tmp_path / "gnn.yaml").write_text(BAD_YAML)
     assert error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}",
@@ -112,6 +129,9 @@ def test_a_missing_fit_config_listed_by_the_pipeline(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["fit", "-c", "configs/trainer/cpu.yaml", "--trainer.max_stepz=3"],
      "gnnlm fit: error: unrecognized arguments: --trainer.max_stepz=3"),
+    (["fit", *LM, "--model.init_args.n_layr=2"],
+     "gnnlm fit: error: model.init_args has no key 'n_layr' (LanguageModel): did you mean "
+     "n_layer?"),
     (["fit", "-c", "configs/trainer/cpu.yaml"],
      "gnnlm fit: error: the following arguments are required: fit.data, fit.model: give the "
      "configs that set them with -c, e.g. -c configs/trainer/cpu.yaml -c "

@@ -1,5 +1,10 @@
-"""Console progress of long stages: plain lines when redirected, silence when asked."""
+"""Console progress of long stages: plain lines when redirected, silence when asked; the
+progress and resume lines of a fit, true to what Lightning does; none of Lightning's banners."""
 from __future__ import annotations
+
+import logging
+
+import pytest
 
 from gnnlm.utils.progress import Progress, say, track
 
@@ -51,3 +56,91 @@ def test_progress_line_counts_rate_and_eta(monkeypatch):
     assert "1.00 chunk/s" in line or "0.99 chunk/s" in line          # 2 chunks in ~2 s
     assert "ETA 4s" in line or "ETA 3s" in line
     bar.close()
+
+
+def test_a_count_without_a_total_or_past_it_shows_no_total(monkeypatch):
+    monkeypatch.setenv("GNNLM_QUIET", "1")
+    for total, done in ((-1, 5), (0, 5), (6, 7)):
+        bar = Progress(total, "demo", initial=done)
+        line = bar.line()
+        assert line.startswith(f"demo: {done} chunks, ") and "ETA" not in line, line
+        assert f"/{total}" not in line
+
+
+@pytest.mark.parametrize("current_epoch,max_epochs,max_steps,expected", [
+    (0, 2, -1, "epoch 1/2"),
+    (1, 2, -1, "epoch 2/2"),
+    (2, 2, -1, "epoch 2/2"),        # after the last epoch ended: not "epoch 3/2"
+    (0, -1, 200, "epoch 1"),        # max_steps bounds training: not "epoch 1/-1" or "1/-2"
+    (3, None, 200, "epoch 4"),
+    (0, 5, 200, "epoch 1"),         # both set: the steps may end it first
+    (0, 1000, -1, "epoch 1/1000"),  # Lightning's default when neither is set
+])
+def test_an_epoch_count_is_never_past_or_beside_a_bogus_total(current_epoch, max_epochs,
+                                                               max_steps, expected):
+    from gnnlm.lit.progress_log import epoch_part
+
+    assert epoch_part(current_epoch, max_epochs, max_steps) == expected
+
+
+def test_the_progress_line_of_a_fit_bounded_by_steps(monkeypatch):
+    """The line of ``ProgressLog`` from the trainer's counters: steps of the total, and the
+    epoch alone when max_steps (max_epochs = -1) bounds training."""
+    from types import SimpleNamespace
+
+    from gnnlm.lit.progress_log import ProgressLog
+
+    log = ProgressLog(enabled=True)
+    trainer = SimpleNamespace(global_step=120, estimated_stepping_batches=200, current_epoch=2,
+                              max_epochs=-1, max_steps=200, callbacks=[],
+                              callback_metrics={"train/loss": 3.25})
+    line = log.line(trainer, SimpleNamespace())
+    assert line.startswith("fit SimpleNamespace: step 120/200 (60%), epoch 3, ")
+    assert "/-" not in line and line.endswith("train/loss 3.2500")
+    trainer.max_epochs, trainer.max_steps, trainer.current_epoch = 3, -1, 3   # training ended
+    assert ", epoch 3/3, " in log.line(trainer, SimpleNamespace())
+
+
+def test_resuming_says_what_happens_to_the_epoch_it_stopped_in():
+    from gnnlm.lit.progress_log import resume_line
+
+    def checkpoint(processed, last=False):
+        return {"global_step": 9, "epoch": 0, "loops": {"fit_loop": {
+            "epoch_loop.batch_progress": {"current": {"processed": processed},
+                                          "is_last_batch": last}}}}
+
+    mid = resume_line("lm", "/w/last.ckpt", checkpoint(9))
+    assert mid.startswith("resuming lm from step 9 (/w/last.ckpt): weights, optimiser and "
+                          "schedule as saved; epoch 1 stopped after 9 batches and goes on with "
+                          "batches drawn from the train loader's start again")
+    assert "seen twice" in mid
+    for start, epoch in ((checkpoint(14, last=True), 2), (checkpoint(0), 1)):
+        line = resume_line("lm", "/w/last.ckpt", start)
+        assert line == (f"resuming lm from step 9 (/w/last.ckpt), at the start of epoch {epoch}: "
+                        f"weights, optimiser and schedule as saved")
+
+
+def test_lightning_says_no_device_banner_but_keeps_its_warnings(caplog):
+    """Every Trainer logs "GPU available: ..., used: ..." when it is made, and the pipeline makes
+    one per evaluation; gnnlm's commands drop it, and Lightning's restoring lines inside a
+    resumed fit only, while its warnings (e.g. a GPU left unused) still reach the user."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    from gnnlm.utils.quiet import quiet_lightning, resumed_fit
+
+    quiet_lightning()
+    caplog.set_level(logging.INFO)
+    pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+               enable_model_summary=False)
+    rank_zero_info("Restored all states from the checkpoint at x.ckpt")
+    with resumed_fit():
+        rank_zero_info("Restoring states from the checkpoint path at y.ckpt")
+    with resumed_fit(False):
+        rank_zero_info("Restoring states from the checkpoint path at z.ckpt")
+    said = caplog.text
+    assert "GPU available: " not in said and "TPU available: " not in said
+    assert "x.ckpt" in said and "y.ckpt" not in said and "z.ckpt" in said
+    with pytest.warns(UserWarning, match="GPU available but not used"):
+        rank_zero_warn("GPU available but not used. You can set it by doing "
+                       "`Trainer(accelerator='gpu')`.")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
+import warnings
 
 import pytest
 import torch
@@ -122,7 +124,8 @@ def state(root, name="lm"):
                       weights_only=False)
 
 
-def test_a_killed_fit_resumes_from_its_last_checkpoint(monkeypatch, tmp_path, uninterrupted):
+def test_a_killed_fit_resumes_from_its_last_checkpoint(monkeypatch, tmp_path, uninterrupted,
+                                                       capfd, caplog):
     ref_root, ref, ref_steps, _ = uninterrupted
     assert ref_steps == STEPS
     manifest, steps, said = fit(monkeypatch, tmp_path, kill_at=10)
@@ -132,8 +135,24 @@ def test_a_killed_fit_resumes_from_its_last_checkpoint(monkeypatch, tmp_path, un
     resume = next((tmp_path / "work" / "logs" / "lm" / "resume").glob("*/last.ckpt"))
     assert torch.load(resume, weights_only=False)["global_step"] == 9  # saved before the kill
 
-    manifest, steps, said = fit(monkeypatch, tmp_path)
-    assert said.count("resuming lm from step 9 (") == 1 and str(resume) in said
+    capfd.readouterr()
+    caplog.clear()
+    caplog.set_level(logging.INFO)     # Lightning's lines, wherever its logger writes them
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest, steps, said = fit(monkeypatch, tmp_path)
+    # gnnlm's line says what resuming does, in place of Lightning's restoring lines and its
+    # warning about a checkpoint written mid-epoch
+    assert said.count(f"[gnnlm] resuming lm from step 9 ({resume}): weights, optimiser and "
+                      f"schedule as saved; epoch 1 stopped after 9 batches and goes on with "
+                      f"batches drawn from the train loader's start again") == 1
+    lightning_said = "\n".join([capfd.readouterr().err, caplog.text,
+                                *(str(w.message) for w in caught)])
+    assert "Seed set to 1" in lightning_said    # (where Lightning's log lines are caught)
+    for alarm in ("resuming from a checkpoint that ended before the epoch ended",
+                  "Restoring states from the checkpoint", "Restored all states",
+                  "is not empty", "GPU available: ", "TPU available: "):
+        assert alarm not in lightning_said + said, alarm
     assert "before training" not in said         # the starting weights were scored already
     assert steps == STEPS - 9                    # only the steps left
     final, expected = state(tmp_path), state(ref_root)

@@ -71,3 +71,11 @@ class PQConfig:
     train_sample: int = 65536
     seed: int = 0
     chunk: int = 262144
+
+    def __post_init__(self):
+        if self.m is not None and self.m < 1:
+            raise ValueError(f"pq.m (bytes per vector) must be >= 1, or null for d/4 "
+                             f"(got {self.m}).")
+        for name in ("train_sample", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"pq.{name} must be >= 1 (got {getattr(self, name)}).")

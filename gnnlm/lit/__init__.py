@@ -10,6 +10,7 @@
 - ``datastore.AttachDatastore``: the callback that hands a model the datastore's arrays;
 - ``optim``: AdamW with warmup + cosine decay, and parameter groups with their own rate;
 - ``progress_log.ProgressLog``: progress lines where a bar cannot be seen;
+- ``config_errors``: an unknown key of a ``gnnlm fit`` config said with its section;
 - ``cli.GnnlmCLI``: LightningCLI with the links from data modules to models.
 """
 

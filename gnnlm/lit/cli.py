@@ -88,4 +88,9 @@ def lightning_main(args: list[str] | None = None) -> GnnlmCLI:
                              f"configs/trainer/cpu.yaml -c configs/wikitext2/base_lm.yaml "
                              f"(each YAML in configs/ starts with the command that runs it)."
                              ) from None
+        from gnnlm.lit.config_errors import unknown_key
+
+        line = unknown_key(str(err))
+        if line is not None:
+            raise ValueError(line) from None
         raise

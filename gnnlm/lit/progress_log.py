@@ -72,7 +72,9 @@ class ProgressLog(Callback):
             say(f"  {self.line(trainer, pl_module)}")
 
     def line(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
-        """``fit <Model>: step s/total (p%), epoch e/E, rate, elapsed, ETA, last train loss``."""
+        """``fit <Model>: step s/total (p%), epoch e[/E], rate, elapsed, ETA, last train loss``
+        (the step total is Lightning's estimate from max_steps or max_epochs, whichever ends
+        training first)."""
         step, elapsed = trainer.global_step, time.perf_counter() - self._t0
         total = trainer.estimated_stepping_batches
         rate = (step - self._start_step) / elapsed if elapsed > 0 else 0.0
@@ -82,9 +84,7 @@ class ProgressLog(Callback):
             parts[0] += f"/{int(total)} ({100 * step / total:.0f}%)"
             if rate > 0:
                 left = (total - step) / rate
-        max_epochs = trainer.max_epochs  # -1 when max_steps bounds training instead
-        parts.append(f"epoch {trainer.current_epoch + 1}"
-                     + (f"/{max_epochs}" if max_epochs is not None and max_epochs > 0 else ""))
+        parts.append(epoch_part(trainer.current_epoch, trainer.max_epochs, trainer.max_steps))
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set when a fit starts
         timer = next((c for c in callbacks if isinstance(c, Timer)), None)
         if timer is not None:  # trainer.max_time ends training first when it is sooner
@@ -97,3 +97,40 @@ class ProgressLog(Callback):
         if loss is not None:
             parts.append(f"train/loss {float(loss):.4f}")
         return ", ".join(parts)
+
+
+def epoch_part(current_epoch: int, max_epochs: Optional[int], max_steps: Optional[int]) -> str:
+    """``epoch e/E`` while the epoch count bounds training, else ``epoch e`` (the step total
+    before it says how far training goes).
+
+    Lightning's ``max_epochs`` is -1 when ``max_steps`` bounds training instead, and when both
+    are set the steps may end it first: then an epoch total would be untrue. Its
+    ``current_epoch`` counts the epochs begun, and once the last has ended it is one past them,
+    so the count is kept to the total (a log's final line says ``epoch 2/2``, not ``3/2``)."""
+    epoch = current_epoch + 1
+    if max_epochs is None or max_epochs < 1 or (max_steps is not None and max_steps >= 0):
+        return f"epoch {epoch}"
+    return f"epoch {min(epoch, max_epochs)}/{max_epochs}"
+
+
+def resume_line(name: str, path: str, checkpoint: dict) -> str:
+    """What resuming ``name`` from the Lightning checkpoint at ``path`` does, in one line (in
+    place of Lightning's restoring lines and its warning about a checkpoint written mid-epoch).
+
+    Lightning restores the weights, the optimiser, the schedulers and the loop counters, but
+    gnnlm's train loaders keep no position within an epoch: a fit resumed in the middle of one
+    draws the rest of that epoch from the loader's start again (under a fixed seed in the order
+    it had before, so the batches it began with come again and its last ones are not seen)."""
+    step = int(checkpoint.get("global_step", 0))
+    epoch = int(checkpoint.get("epoch", 0)) + 1
+    loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    batches = loop.get("epoch_loop.batch_progress") or {}
+    done = int(((batches.get("current") or {}).get("processed")) or 0)
+    head = f"resuming {name} from step {step} ({path})"
+    if done == 0 or batches.get("is_last_batch"):  # saved as an epoch ended: the next begins
+        epoch += 1 if batches.get("is_last_batch") else 0
+        return f"{head}, at the start of epoch {epoch}: weights, optimiser and schedule as saved"
+    return (f"{head}: weights, optimiser and schedule as saved; epoch {epoch} stopped after "
+            f"{done} batches and goes on with batches drawn from the train loader's start "
+            f"again (a loader keeps no position), so some batches of this epoch are seen twice "
+            f"and others not at all: the weights end close to an uninterrupted run's, not equal")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 # TokenizerConfig, which a base LM checkpoint's data module saves, registered for its loader
 import gnnlm.text.settings  # noqa: F401
-from gnnlm.models.settings import FEATURE_KEYS, is_hf
+from gnnlm.models.settings import FEATURE_KEYS, check_hf_folder, is_hf
 
 if TYPE_CHECKING:
     from gnnlm.models.base import BaseLM, Features
@@ -67,6 +67,7 @@ def load_base_lm(spec: str, options: Optional[dict] = None) -> BaseLM:
     if is_hf(spec):
         from gnnlm.models.hf import HFCausalLM
 
+        check_hf_folder(spec, "base LM")
         model: BaseLM = HFCausalLM.from_pretrained(spec.removeprefix("hf:"), **options)
     else:
         if options:

@@ -16,6 +16,36 @@ def is_hf(spec: str) -> bool:
     return spec.startswith("hf:") or (Path(spec) / "config.json").is_file()
 
 
+def looks_like_folder(name: str) -> bool:
+    """Whether a Hugging Face name is meant as a local folder: a path from the root, the home or
+    the current directory, or more than the Hub's ``namespace/name``."""
+    return name.startswith(("/", "~", ".")) or name.count("/") > 1 or "\\" in name
+
+
+def check_hf_folder(spec: str, field: str = "base_lm.ckpt") -> None:
+    """Refuse ``hf:<folder>`` when the folder is not there or holds no model, before anything
+    runs: the Hub client would read the path as a repository id and answer "Repo id must be in
+    the form 'repo_name' or 'namespace/repo_name'", which says nothing of the typo."""
+    name = spec.removeprefix("hf:")
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{field} {spec}: the folder {folder} holds no config.json, so it is not a saved "
+                f"Hugging Face model: give the folder `save_pretrained` wrote, or a Hub name "
+                f"such as hf:gpt2.")
+        return
+    if folder.exists():
+        raise FileNotFoundError(f"{field} {spec}: {folder} is a file, not a model's folder: "
+                                f"give the folder `save_pretrained` wrote, or a Hub name such "
+                                f"as hf:gpt2.")
+    if looks_like_folder(name):
+        raise FileNotFoundError(
+            f"{field} {spec}: there is no folder {name} (relative paths are resolved against "
+            f"the current directory, {Path.cwd()}): give the folder `save_pretrained` wrote, or "
+            f"a Hub name such as hf:gpt2.")
+
+
 def check_key_path(path: str, field: str) -> None:
     module, _, side = path.rpartition(":")
     if not module or side not in ("input", "output"):

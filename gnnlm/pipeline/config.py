@@ -174,6 +174,13 @@ class FeaturesConfig:
                              f"at most the context.")
         if self.batch_size < 1:
             raise ValueError(f"features.batch_size must be >= 1 (got {self.batch_size}).")
+        for split, n in (self.max_tokens or {}).items():
+            if split not in ("train", "valid", "test"):
+                raise ValueError(f"features.max_tokens names {split!r}: the splits are train, "
+                                 f"valid and test.")
+            if n < 1:
+                raise ValueError(f"features.max_tokens.{split} must be >= 1 (got {n}): leave "
+                                 f"the split out for all of it.")
 
 
 @dataclass
@@ -298,6 +305,9 @@ class AblationConfig:
 
     def __post_init__(self):
         check_device(self.device)
+        if self.eval_tokens is not None and self.eval_tokens < 1:
+            raise ValueError(f"ablations.eval_tokens must be >= 1, or null for every token "
+                             f"(got {self.eval_tokens}).")
         if any(not 0 < f <= 1 for f in self.subsample):
             raise ValueError(f"ablations.subsample fractions must lie in (0, 1] "
                              f"(got {self.subsample}).")

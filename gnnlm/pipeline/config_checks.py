@@ -12,10 +12,13 @@ A pipeline YAML names, per stage, its settings; trained parts (the base LM and t
   ``neighbors.train_queries`` positions that have train neighbours (``train_tokens`` unset:
   every position that has them), with every count of windows (``graph.k``, ...) >= 1;
 - a corpus or tokenizer other than the base LM's (the rule is in ``CorpusConfig``);
+- a size or count below 1 in a trained part's config (``FIT_COUNTS``), and a work directory
+  that cannot be one (an empty path, a file);
 - feature windows beyond the base LM's context and an index factory faiss cannot build for
   its hidden size, where ``base_lm_shape`` knows them at load.
 
-``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU. Settings
+``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU, and an
+``hf:<folder>`` base LM whose folder is not there. Settings
 out of range within one section are each dataclass's own check (``gnnlm.pipeline.config``).
 """
 from __future__ import annotations
@@ -28,12 +31,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
-from gnnlm.models.settings import DEFAULT_CONTEXT, is_hf
+from gnnlm.models.settings import DEFAULT_CONTEXT, check_hf_folder, is_hf
 from gnnlm.pipeline.config_files import merged_yaml, yaml_list
 from gnnlm.text.corpus import locate_corpus
 from gnnlm.text.settings import TokenizerConfig, tokenizer_settings
 from gnnlm.utils.devices import check_accelerator, check_available, check_faiss_available
 from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
+from gnnlm.workdir.layout import check_workdir
 
 if TYPE_CHECKING:
     from gnnlm.pipeline.config import CorpusConfig, PipelineConfig
@@ -51,6 +55,7 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         unknown = [s for s in cfg.rebuild if s not in known]
         if unknown:
             raise ValueError(f"--rebuild names stages {sorted(known)} (got {unknown}).")
+    check_workdir(cfg.workdir)
     if cfg.copy_report_to and os.path.exists(cfg.copy_report_to) and not os.path.isdir(
             cfg.copy_report_to):  # refused now, not when every stage has run
         raise ValueError(f"copy_report_to = {cfg.copy_report_to} is a file: name a folder "
@@ -69,6 +74,8 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         raise ValueError("corpus.tokenizer kind 'hf' without a path means the Hugging Face base "
                          "LM's own tokenizer, but base_lm.ckpt is not hf:<name-or-folder>: give "
                          "corpus.tokenizer.path.")
+    for chain in cfg.fit_chains():
+        _check_fit_counts(chain, merged_yaml(chain))
     if cfg.ablations.memory_lm is not None:
         merged_yaml(yaml_list(cfg.ablations.memory_lm))  # the files exist and parse
     for row, paths in cfg.heads().items():
@@ -77,6 +84,31 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         merged_yaml(paths)
     _check_against_base_lm(cfg)
     _check_corpus(cfg, files)
+
+
+# the sizes and counts of a `gnnlm fit` config's model and data sections: each must be >= 1
+# when set, or the fit would fail, or run on nothing, only after the stages before it (the
+# counts of windows, graph.k, retrieved and eval_ks, are `_check_head`'s)
+FIT_COUNTS = ("context_length", "n_layer", "n_head", "d_model", "d_ff", "num_layers", "heads",
+              "max_windows", "block_size", "eval_context", "eval_stride", "batch_size",
+              "eval_batch_size", "train_tokens", "eval_tokens", "eval_streams")
+
+
+def _check_fit_counts(paths: list[str], merged: dict) -> None:
+    """Refuse a count of a trained part's config that is not positive, naming its key."""
+    def walk(node: Any, where: str):
+        for key, value in (node.items() if isinstance(node, dict) else ()):
+            if isinstance(value, dict):
+                yield from walk(value, f"{where}.{key}")
+            elif key in FIT_COUNTS:
+                yield f"{where}.{key}", value
+
+    for section in ("model", "data"):
+        for key, value in walk((merged.get(section) or {}).get("init_args") or {},
+                               f"{section}.init_args"):
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ValueError(f"The `gnnlm fit` config {' + '.join(paths)} sets {key} = "
+                                 f"{value}: it must be >= 1.")
 
 
 # the pipeline's corpus fields and the ``LMDataModule`` arguments that name the same thing
@@ -358,9 +390,12 @@ def _check_against_base_lm(cfg: PipelineConfig) -> None:
 
 def check_machine(cfg: PipelineConfig) -> None:
     """The settings that ask this machine for a GPU: ``features.device``, ``index.device`` and
-    ``trainer.accelerator`` of every trained part the pipeline runs. Checked by the commands
+    ``trainer.accelerator`` of every trained part the pipeline runs; and for a model folder
+    (``base_lm.ckpt: hf:<folder>``), that it is there. Checked by the commands
     that run those stages (``gnnlm pipeline``), not by those that read their results (a GPU
     config is fine for ``gnnlm sweep`` on a laptop)."""
+    if cfg.base_lm.ckpt is not None and is_hf(cfg.base_lm.ckpt):
+        check_hf_folder(cfg.base_lm.ckpt)  # a model folder on this machine
     check_available(cfg.features.device, "features.device")
     check_faiss_available(cfg.index.device, "index.device")
     for chain in cfg.fit_chains():

@@ -21,10 +21,10 @@ def yaml_list(value: YAMLs) -> list[str]:
 
 
 def config_text(path: str | os.PathLike) -> str:
-    """The text of a config file, refused with the file's name when it is missing or is not
-    YAML: the YAML parser alone names neither the file nor, for a relative path, the folder
-    it was looked for in (config paths are resolved against the current directory, not
-    against the file that lists them)."""
+    """The text of a config file, refused with the file's name when it is missing, is not
+    YAML or holds no settings: the YAML parser alone names neither the file nor, for a
+    relative path, the folder it was looked for in (config paths are resolved against the
+    current directory, not against the file that lists them)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"Config file {path} is a folder: give a YAML file.")
@@ -37,7 +37,7 @@ def config_text(path: str | os.PathLike) -> str:
             f"(the repository root for configs/...), or give an absolute path.")
     try:
         text = path.read_text(encoding="utf-8")
-        yaml.safe_load(text)
+        settings = yaml.safe_load(text)
     except UnicodeDecodeError as err:
         raise ValueError(f"Config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x}"
                          f" at offset {err.start}): save it as UTF-8.") from None
@@ -52,6 +52,14 @@ def config_text(path: str | os.PathLike) -> str:
                          f"{' (' + '; '.join(where) + ')' if where else ''}. Fix the file at "
                          f"that line (YAML indents with spaces; quote a value holding ': ' or "
                          f"' #').") from None
+    # jsonargparse would say only "Unexpected config:" of a file with nothing in it
+    if settings is None:
+        raise ValueError(f"Config file {path} is empty (or only comments): write its settings "
+                         f"in it, or leave it out.")
+    if not isinstance(settings, dict):
+        raise ValueError(f"Config file {path} holds a YAML {type(settings).__name__}, not "
+                         f"settings: a config maps sections to their values (`section:` lines, "
+                         f"the values indented under them).")
     return text
 
 

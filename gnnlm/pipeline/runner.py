@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +23,7 @@ from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.utils.metrics import check_finite, ppl_from_logprobs
 from gnnlm.utils.progress import format_seconds, say
+from gnnlm.utils.quiet import resumed_fit
 from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
 from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint, plain_classes
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
@@ -118,9 +118,9 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
         cli = instantiate_fit(workdir, name, configs, overrides)
         run = TrainingRun(cli.trainer, workdir, name, builder)
         start = run.start(cli.model, cli.datamodule)
-        with torch.serialization.safe_globals(plain_classes()), warnings.catch_warnings():
-            if run.resume_from is not None:  # the folder holds this very build's checkpoints
-                warnings.filterwarnings("ignore", message="Checkpoint directory .* not empty")
+        # a resumed fit: Lightning's restoring lines and warnings give way to run.start's line
+        with torch.serialization.safe_globals(plain_classes()), resumed_fit(
+                run.resume_from is not None):
             cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=run.resume_from,
                             weights_only=True)
         if cli.trainer.interrupted:  # e.g. a signal Lightning handled: the build is not done
@@ -239,8 +239,11 @@ class TrainingRun:
         before training (``{"metric", "mode", "score"}``) or None."""
         training = dict(self.builder.progress.get("training") or {})
         if self.resume_from is not None:
-            step = checkpoint_step(self.resume_from)
-            say(f"[gnnlm] resuming {self.name} from step {step} ({self.resume_from})")
+            from gnnlm.lit.progress_log import resume_line
+
+            checkpoint = load_checkpoint(self.resume_from)
+            step = int(checkpoint.get("global_step", 0))
+            say(f"[gnnlm] {resume_line(self.name, self.resume_from, checkpoint)}")
             # a resumed fit ends close to an uninterrupted one, not equal to it: say so
             training["resumed_from_steps"] = [*training.get("resumed_from_steps", []), step]
             self.builder.save_progress(training=training)
@@ -572,6 +575,12 @@ def check_fit_config(configs: list[str]) -> None:
     except SystemExit:
         text = printed.getvalue()
         error = text[text.find("error:") + len("error:"):] if "error:" in text else text
+        from gnnlm.lit.config_errors import unknown_key
+
+        unknown = unknown_key(error)
+        if unknown is not None:
+            raise ValueError(f"The `gnnlm fit` config {' + '.join(configs)} does not parse: "
+                             f"{unknown}") from None
         details = [line.strip() for line in error.splitlines()
                    if line.strip() and not line.strip().startswith(("Subtypes:", "- Expected a",
                                                                      "Given value"))]

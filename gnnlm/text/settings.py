@@ -25,13 +25,23 @@ class TokenizerConfig:
         vocab_size: the BPE vocabulary's size (``bpe`` only).
         path: ``hf`` only: a ``tokenizer.json`` file or a pretrained model's name or folder
             (unset in a pipeline config: the Hugging Face base LM's own tokenizer).
-        max_vocab: ``word`` only: keep the most frequent words and map the rest to ``<unk>``
-            (unset: every word of the train split).
+        max_vocab: ``word`` only: the vocabulary's size, ``<eos>`` and ``<unk>`` included: the
+            most frequent words are kept, the rest map to ``<unk>`` (unset: every word of the
+            train split).
     """
     kind: Literal["word", "char", "bpe", "hf"] = "word"
     vocab_size: int = 32000
     path: Optional[str] = None
     max_vocab: Optional[int] = None
+
+    def __post_init__(self):
+        # named as both configs write them (corpus.tokenizer.*, data.init_args.tokenizer.*)
+        if self.vocab_size < 1:
+            raise ValueError(f"tokenizer.vocab_size must be >= 1 (got {self.vocab_size}).")
+        if self.max_vocab is not None and self.max_vocab < 3:  # <eos> and <unk> count too
+            raise ValueError(f"tokenizer.max_vocab must be >= 3 (<eos>, <unk> and at least one "
+                             f"word), or null for every word of the train split "
+                             f"(got {self.max_vocab}).")
 
 
 def tokenizer_config(value: Any) -> TokenizerConfig:

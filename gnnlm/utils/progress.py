@@ -54,12 +54,16 @@ class Progress:
             say(f"  {self.line()}")
 
     def line(self) -> str:
+        """``desc: done/total units, rate, elapsed, ETA``; without a total (``total`` < 1, not
+        known) or once past it, the count alone and no ETA: never ``5/-1`` or ``7/6``."""
         elapsed = time.perf_counter() - self.t0
         rate = (self.done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        rate_part = f"{rate:.2f} {self.unit}/s, {format_seconds(elapsed)} elapsed"
+        if not 0 < self.total or self.done > self.total:
+            return f"{self.desc}: {self.done} {self.unit}s, {rate_part}"
         left = (self.total - self.done) / rate if rate > 0 else float("nan")
         eta = format_seconds(left) if left == left else "?"
-        return (f"{self.desc}: {self.done}/{self.total} {self.unit}s, {rate:.2f} {self.unit}/s, "
-                f"{format_seconds(elapsed)} elapsed, ETA {eta}")
+        return f"{self.desc}: {self.done}/{self.total} {self.unit}s, {rate_part}, ETA {eta}"
 
     def close(self) -> None:
         if self.bar is not None:

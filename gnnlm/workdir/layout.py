@@ -36,8 +36,26 @@ def retrieval_tag(key: str, metric: str) -> str:
     return f"{key}-{metric}"
 
 
+def check_workdir(root: str | os.PathLike, field: str = "workdir") -> None:
+    """Refuse a work directory that is no folder to write into, before anything runs: an empty
+    path (``--workdir=``, which ``Path`` reads as the current directory, so every artifact
+    folder would land beside the user's own files) and a path that is an existing file."""
+    if not str(root).strip():
+        raise ValueError(f"{field} is an empty path: name the folder the artifacts go to, "
+                         f"e.g. runs/wikitext2 ('.' for the current directory).")
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{field} {path} is a file, not a folder: name another path (the "
+                         f"folder is made if absent).")
+    for parent in path.parents:  # `mkdir -p` would stop at a file on the way
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"{field} {path} lies under {parent}, which is a file, not a "
+                             f"folder: name another path.")
+
+
 class Workdir:
     def __init__(self, root: str | os.PathLike):
+        check_workdir(root, "The work directory (workdir)")
         self.root = Path(root)
 
     def __repr__(self) -> str:
