@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -98,17 +99,22 @@ WAIT_SECONDS, STOP_SECONDS = 900, 60
 
 
 class Run:
-    """``gnnlm ARGS`` started in ``cwd``, its stderr in a file the test reads as it grows."""
+    """``gnnlm ARGS`` started in ``cwd``, its stderr and stdout in files the test reads as they
+    grow (``LOG.err``, ``LOG.out``)."""
 
     def __init__(self, args: list[str], cwd: Path, log: str):
-        self.log = cwd / log
-        self.stderr = open(self.log, "w")
+        self.log, self.out = cwd / f"{log}.err", cwd / f"{log}.out"
+        self.stderr, self.stdout = open(self.log, "w"), open(self.out, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "gnnlm.cli", *args], cwd=cwd,
-                                     env={**os.environ, **ENV}, stdout=subprocess.DEVNULL,
+                                     env={**os.environ, **ENV}, stdout=self.stdout,
                                      stderr=self.stderr)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def output(self) -> str:
+        """What it wrote on stdout (Lightning's progress bar)."""
+        return self.out.read_text(errors="replace")
 
     def wait_for(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + WAIT_SECONDS
@@ -133,6 +139,7 @@ class Run:
                                  f"{self.text()[-4000:]}") from None
         seconds = time.monotonic() - t0
         self.stderr.close()
+        self.stdout.close()
         return code, seconds, self.text().strip().splitlines()[-1]
 
 
@@ -200,7 +207,7 @@ def stopped_runs(wikitext_root, tmp_path_factory) -> dict:
     workdir = cwd / "runs" / "stop"
     runs: dict = {"cwd": cwd, "workdir": workdir}
 
-    training = Run(PIPELINE, cwd, "training.log")
+    training = Run(PIPELINE, cwd, "training")
     training.wait_for(lambda: "fit LanguageModel: step 5/60" in training.text(),
                       "fifth training step")
     runs["training"] = (*training.stop(), training.text())
@@ -209,23 +216,23 @@ def stopped_runs(wikitext_root, tmp_path_factory) -> dict:
         str(path): int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
         for path in (workdir / "logs" / "base_lm" / "resume").glob("*/last.ckpt")}
 
-    features = Run([*PIPELINE, "--features.devices=2"], cwd, "features.log")
+    features = Run([*PIPELINE, "--features.devices=2"], cwd, "features")
     partial = workdir / "features" / "train.partial"
     features.wait_for(lambda: chunks_recorded(partial) >= 1, "recorded chunk of train features")
     ranks = children(features.proc.pid)
     runs["features"] = (*features.stop(), features.text())
     runs["features_chunks"] = chunks_recorded(partial)
     time.sleep(1)
-    runs["ranks_left"] = [pid for pid in ranks if alive(pid)]
+    runs["ranks"], runs["ranks_left"] = ranks, [pid for pid in ranks if alive(pid)]
 
-    after = Run(PIPELINE, cwd, "after.log")
+    after = Run(PIPELINE, cwd, "after")
     after.wait_for(lambda: "stage features:" in after.text(), "end of the features stage")
     runs["after"] = (*after.stop(), after.text())
 
     reference = cwd / "runs" / "reference"
     for name in ("tokens", "models/base_lm"):
         shutil.copytree(workdir / name, reference / name, symlinks=True)
-    whole = Run([*PIPELINE, "--workdir=runs/reference"], cwd, "reference.log")
+    whole = Run([*PIPELINE, "--workdir=runs/reference"], cwd, "reference")
     whole.wait_for(lambda: "stage features:" in whole.text(), "end of the features stage")
     runs["reference"] = (*whole.stop(), whole.text())
     return runs
@@ -252,7 +259,8 @@ def test_sigterm_during_a_sharded_chunked_stage_stops_its_ranks(stopped_runs):
     assert code == 143 and seconds < STOP_SECONDS, text[-3000:]
     assert last == "gnnlm pipeline: stopped by SIGTERM at features; rerun to resume"
     assert stopped_runs["features_chunks"] >= 1      # finished chunks are kept
-    assert stopped_runs["ranks_left"] == []          # no rank goes on alone
+    assert len(stopped_runs["ranks"]) >= 2           # the ranks ran as processes of the run
+    assert stopped_runs["ranks_left"] == []          # and none goes on alone
     assert lock_is_free(stopped_runs["workdir"])
 
 
@@ -279,10 +287,15 @@ def test_sigterm_during_lightning_scoring_exits_within_seconds(stopped_runs):
             "-c", "configs/wikitext2/base_lm_cpu.yaml", "-c", "configs/tests/tiny_lm.yaml",
             f"--ckpt_path={workdir / 'models' / 'base_lm' / 'model.ckpt'}",
             f"--data.init_args.workdir={workdir}", "--data.init_args.eval_tokens=null",
-            "--trainer.enable_progress_bar=true", "--trainer.logger=false"]
-    scoring = Run(args, cwd, "scoring.log")
-    scoring.wait_for(lambda: "Testing DataLoader 0:" in scoring.text(), "test loop")
-    code, seconds, last, text = scoring.stop()
+            # tqdm's bar writes as it goes into a file too (Rich's only when it ends)
+            "--trainer.enable_progress_bar=true", "--trainer.logger=false",
+            "--trainer.callbacks+=pytorch_lightning.callbacks.TQDMProgressBar"]
+    scoring = Run(args, cwd, "scoring")
+    # the bar on stdout, once a batch is done: "Testing DataLoader 0:   1%|   | 1/120 [00:01<…"
+    scoring.wait_for(lambda: re.search(r"Testing DataLoader 0:[^|]*\|[^|]*\| [1-9]\d*/",
+                                       scoring.output()) is not None, "scored test batch")
+    code, seconds, last = scoring.stop()
+    text = scoring.text()
     assert code == 143 and seconds < STOP_SECONDS, text[-3000:]
     assert last == "gnnlm test: stopped by SIGTERM", text[-3000:]
 
@@ -292,9 +305,10 @@ def test_sigint_exits_130(stopped_runs):
     """Ctrl-C in the base LM's training (where Lightning would turn a KeyboardInterrupt into
     exit status 1): status 130, and the work directory is released."""
     cwd = stopped_runs["cwd"]
-    fresh = Run([*PIPELINE, "--workdir=runs/sigint"], cwd, "sigint.log")
+    fresh = Run([*PIPELINE, "--workdir=runs/sigint"], cwd, "sigint")
     fresh.wait_for(lambda: "fit LanguageModel: step 1/60" in fresh.text(), "first step")
-    code, seconds, last, text = fresh.stop(signal.SIGINT)
+    code, seconds, last = fresh.stop(signal.SIGINT)
+    text = fresh.text()
     assert code == 130 and seconds < STOP_SECONDS, text[-3000:]
     assert last == "gnnlm pipeline: stopped by SIGINT at base_lm; rerun to resume"
     assert lock_is_free(cwd / "runs" / "sigint")
