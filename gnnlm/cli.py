@@ -9,14 +9,19 @@
 
 A failure prints one line, ``gnnlm <command>: error: <what was wrong and what to do>``, and
 exits with status 2; ``--debug`` (anywhere on the command line) shows the traceback instead.
+SIGTERM or SIGINT stops a command within seconds (``gnnlm.utils.stopping``): one line,
+``gnnlm pipeline: stopped by SIGTERM at <stage>; rerun to resume``, and status 143 (SIGINT: 130).
 """
 from __future__ import annotations
 
 import os
 import re
 import sys
+import traceback
 
 from gnnlm.lit import LIGHTNING_COMMANDS
+from gnnlm.utils.stopping import Stopped, handling_stop_signals
+from gnnlm.utils.stopping import received as stop_signal
 
 USAGE = """usage: gnnlm COMMAND [-c CONFIG ...] [--section.field=value ...] [--debug]
 
@@ -120,6 +125,17 @@ def error_line(err: BaseException) -> str:
     return message
 
 
+# commands whose rerun continues where a stopped run left off (finished artifacts and chunks,
+# the training checkpoint)
+RESUMING = ("pipeline",)
+
+
+def stop_line(command: str, stop: Stopped) -> str:
+    """The one line a run stopped by a signal prints: where it stopped, and that a rerun
+    resumes (for the commands that do)."""
+    return f"gnnlm {command}: {stop}" + ("; rerun to resume" if command in RESUMING else "")
+
+
 def main(argv: list[str] | None = None) -> None:
     default_wandb_offline()
     words = list(sys.argv[1:] if argv is None else argv)
@@ -130,13 +146,25 @@ def main(argv: list[str] | None = None) -> None:
         return
     command = words[0]
     try:
-        check_command_line(command, words[1:])
-        if command in COMMANDS:
-            COMMANDS[command](words[1:])
-        else:
-            from gnnlm.lit.cli import lightning_main
+        with handling_stop_signals():
+            try:
+                check_command_line(command, words[1:])
+                if command in COMMANDS:
+                    COMMANDS[command](words[1:])
+                else:
+                    from gnnlm.lit.cli import lightning_main
 
-            lightning_main(words)
+                    lightning_main(words)
+            except SystemExit:
+                signum = stop_signal()
+                if signum is None:
+                    raise
+                raise Stopped(signum) from None  # an exit a library made of the signal
+    except Stopped as stop:
+        if debug:
+            traceback.print_exc()
+        print(stop_line(command, stop), file=sys.stderr)
+        sys.exit(stop.exit_code)
     except SystemExit:
         raise  # argument parsers print their own short usage errors
     except (Exception, KeyboardInterrupt) as err:

@@ -217,9 +217,11 @@ class TrainingRun:
         monitored = trainer.checkpoint_callback
         self.last_validation = last_validation(_validation_metric(trainer)[0])
         trainer.callbacks.append(self.last_validation)
+        last = self.resume_dir / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
+        # a stop signal ends the fit between two steps, saving ``last`` first
+        trainer.callbacks.append(stop_between_steps(last if monitored is not None else None))
         if monitored is None:  # the config turned checkpointing off: nothing to resume from
             return
-        last = self.resume_dir / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
         if builder.progress.get("training") and last.is_file():
             self.resume_from = str(last)
         else:
@@ -259,6 +261,39 @@ class TrainingRun:
     def clean_up(self) -> None:
         """After the build is complete: its resume checkpoint serves nothing any more."""
         shutil.rmtree(self.resume_dir, ignore_errors=True)
+
+
+def stop_between_steps(resume_checkpoint: Optional[Path]):
+    """A callback that lets a stop signal (``gnnlm.utils.stopping``) end the fit only between
+    two training steps: a signal during a step is held until the step's end, where the
+    checkpoint the fit resumes from is written to ``resume_checkpoint`` (None: checkpointing is
+    off, the rerun trains afresh) and ``Stopped`` is raised. Elsewhere (validation, loading
+    the next batch) the signal stops the fit at once, and the rerun resumes from the last
+    checkpoint written every ``checkpoint_seconds()``."""
+    from pytorch_lightning.callbacks import Callback
+
+    from gnnlm.utils import stopping
+
+    class StopBetweenSteps(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            stopping.begin_deferring()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            stopping.end_deferring()
+            if stopping.pending() is None:
+                return
+            if resume_checkpoint is not None:  # written whole, then renamed over the last one
+                part = resume_checkpoint.with_name(resume_checkpoint.name + ".part")
+                trainer.save_checkpoint(part)
+                os.replace(part, resume_checkpoint)
+                say(f"[gnnlm] saved the checkpoint to resume from at step "
+                    f"{trainer.global_step} ({resume_checkpoint})")
+            stopping.check_pending()
+
+        def on_exception(self, trainer, pl_module, exception) -> None:
+            stopping.end_deferring()  # a step that raised leaves no block open
+
+    return StopBetweenSteps()
 
 
 def how_training_ended(trainer, training: dict) -> dict:

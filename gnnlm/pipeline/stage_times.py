@@ -22,6 +22,7 @@ from typing import Optional
 
 from gnnlm.utils.progress import format_seconds, say
 from gnnlm.utils.provenance import code_version
+from gnnlm.utils.stopping import Stopped
 from gnnlm.workdir.artifacts import write_json_atomic
 
 
@@ -65,9 +66,14 @@ _RUNNING: ContextVar[Optional[StageTimes]] = ContextVar("stage_times", default=N
 def timed(stage: str) -> Iterator[None]:
     """Record the wall time of the block as ``stage`` in the run's ``StageTimes``, if a run is
     being timed (a stage called on its own, by a test or another command, records nothing).
-    A block that raises records nothing: the run stops there."""
+    A block that raises records nothing: the run stops there. A run stopped by a signal
+    (``gnnlm.utils.stopping.Stopped``) learns here the stage it stopped at: the innermost."""
     times = _RUNNING.get()
     t0 = time.perf_counter()
-    yield
+    try:
+        yield
+    except Stopped as stop:
+        stop.stage = stop.stage or stage
+        raise
     if times is not None:
         times.add(stage, time.perf_counter() - t0)

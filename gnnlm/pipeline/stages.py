@@ -277,14 +277,15 @@ def run(cfg: PipelineConfig) -> dict:
     for chain in cfg.fit_chains():  # every trained part's config parses, before any work
         check_fit_config(chain)
     workdir.root.mkdir(parents=True, exist_ok=True)
-    _lock = lock_workdir(workdir.root, "pipeline")  # one run per work directory, until we return
-    times = StageTimes()
-    with times.running():
-        report = run_stages(cfg, workdir)
-    times.write(workdir.report(cfg.name), report["environment"])
-    if cfg.copy_report_to:
-        shutil.copytree(workdir.report(cfg.name), cfg.copy_report_to, dirs_exist_ok=True)
-    return report
+    # one run per work directory, released when the run ends however it ends (a stop signal)
+    with lock_workdir(workdir.root, "pipeline"):
+        times = StageTimes()
+        with times.running():
+            report = run_stages(cfg, workdir)
+        times.write(workdir.report(cfg.name), report["environment"])
+        if cfg.copy_report_to:
+            shutil.copytree(workdir.report(cfg.name), cfg.copy_report_to, dirs_exist_ok=True)
+        return report
 
 
 def run_stages(cfg: PipelineConfig, workdir: Workdir) -> dict:

@@ -307,10 +307,10 @@ def main(args: list[str]) -> Sweep:
               (("k", knn.k), ("T", knn.temperature), ("lambda", knn.lambda_)) if value is not None]
     if pinned:
         out = out / ",".join(pinned)
-    _lock = lock_workdir(workdir.root, "sweep", shared=bool(pinned))  # agents' points: shared
     valid, test = caches
-    result = run_sweep(valid, test, out, ks, temperatures, lambdas,
-                       wandb_name=f"{cfg.name}-sweep" + (f"-{','.join(pinned)}" if pinned else ""))
+    with lock_workdir(workdir.root, "sweep", shared=bool(pinned)):  # agents' points: shared
+        result = run_sweep(valid, test, out, ks, temperatures, lambdas, wandb_name=f"{cfg.name}"
+                           f"-sweep" + (f"-{','.join(pinned)}" if pinned else ""))
     print(f"best on valid: k={result.k} T={result.temperature} λ={result.lambda_}  "
           f"valid ppl {result.valid_ppl:.2f} (base {result.base_valid_ppl:.2f}), "
           f"test ppl {result.test_ppl:.2f} (base {result.base_test_ppl:.2f}); "

@@ -80,7 +80,27 @@ def run_on_ranks(job: Callable[[Rank], T], devices: Devices = 1, device: str = "
     n, accelerator = resolve_devices(devices, device)
     if n == 1:
         return job(Rank(0, 1, torch_device(device)))
+    import multiprocessing
+
     from lightning_fabric import Fabric
 
     fabric = Fabric(accelerator=accelerator, devices=n, strategy=strategy)
-    return fabric.launch(partial(_enter, job=job))
+    before = set(multiprocessing.active_children())
+    try:
+        return fabric.launch(partial(_enter, job=job))
+    except BaseException:
+        # a stop signal or a failure here: the ranks end too (at exit, Python would wait for
+        # them to finish their whole share); each chunk they recorded stays done
+        _terminate([p for p in multiprocessing.active_children() if p not in before])
+        raise
+
+
+def _terminate(processes: list, grace_seconds: float = 10.0) -> None:
+    """SIGTERM each process, then SIGKILL those still running after ``grace_seconds``."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(grace_seconds)
+        if process.is_alive():
+            process.kill()
+            process.join()
