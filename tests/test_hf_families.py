@@ -159,8 +159,23 @@ def test_alibi_models_take_their_context_from_their_config_or_none(bpe, corpus_s
         f"features.context is not set and base_lm.ckpt hf:{folders['bloom']} has no context "
         f"length of its own (ALiBi positions, any length): set features.context, the tokens "
         f"each window reads (e.g. 1024).")
-    assert load_config([*args, f"--base_lm.ckpt=hf:{folders['bloom']}",
-                        "--features.context=4096", "--features.stride=2048"])
+    cfg = load_config([*args, f"--base_lm.ckpt=hf:{folders['bloom']}",
+                       "--features.context=4096", "--features.stride=2048"])
+    # and again when the model is loaded (a Hub name's config may be known only then)
+    from dataclasses import replace
+
+    from gnnlm.pipeline.stages import stage_base_lm, stage_features
+    from gnnlm.workdir.layout import Workdir
+
+    workdir = Workdir(cfg.workdir)
+    model, store, _, location = stage_base_lm(cfg, workdir)
+    with pytest.raises(ValueError) as err:
+        stage_features(replace(cfg, features=replace(cfg.features, context=None, stride=None)),
+                       model, store, workdir, location)
+    assert str(err.value) == (
+        "features.context is not set and the base LM hf:bloom has no context length of its own "
+        "(ALiBi positions, any length): set features.context, the tokens each window reads "
+        "(e.g. 1024).")
     with pytest.raises(ValueError, match=r"^features.context = 512 exceeds the context of "
                                          r"base_lm.ckpt .*, 256 tokens"):
         load_config([*args, f"--base_lm.ckpt=hf:{folders['mpt']}", "--features.context=512"])
