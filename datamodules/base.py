@@ -17,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from gnnlm.models.base import LogitTransform
 from gnnlm.models.encode import stream_tensor
 from gnnlm.retrieval.features import load_output_embedding, open_features
 from gnnlm.workdir.artifacts import ArtifactError
@@ -44,9 +45,9 @@ class WorkdirDataModule(pl.LightningDataModule):
 
     def use_features(self, train: dict) -> None:
         """The sizes the CLI links into the model, from the train features' manifest, and the
-        base LM's logit soft-capping (applied after its output embedding)."""
+        base LM's logit scale and soft-capping (applied after its output embedding)."""
         self.vocab_size, self.feature_dim = train["vocab_size"], train["dim"]
-        self.logit_softcap: Optional[float] = train["base_lm"].get("logit_softcap")
+        self.logit_transform = LogitTransform.of(train["base_lm"])
 
     def use_base_lm(self, train: dict, base_lm_path: Optional[str]) -> None:
         """The base LM the CLI links into models that run it: ``base_lm_path``, or where the

@@ -3,7 +3,11 @@ built locally from their configs, and a BPE tokenizer shaped as each family's ow
 
 Each entry says how the family's tokenizer opens a text (``bos``: the token prepended to every
 sequence, or None) and where the last block's FFN input can be captured independently of the
-adapter's path (``ffn_input``: a norm's output, or the FFN's input where no norm feeds it).
+adapter's path (``ffn_input``: the output of the norm that feeds it; where the FFN reads the
+residual stream instead, as in OLMo 2's post-norm blocks, ``ffn_residual``: the block's input
+plus that norm's output). ``pipeline`` marks the families the end-to-end test runs through the
+pipeline (kNN-LM on a WikiText-2 slice, generation); the others are checked at the adapter
+(features, logits, log-probabilities and tokenizer).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ class Family:
     eos: str
     ffn_input: str                      # module whose output is the last FFN's input
     pad_vocab: int = 0                  # extra output rows beyond the tokenizer's (Pythia, ...)
+    ffn_residual: bool = False          # the FFN reads block input + ffn_input's output
+    pipeline: bool = True               # run end to end through the pipeline
 
 
 def _small(**extra) -> dict:
@@ -54,6 +60,24 @@ def _llama_like(config_name: str, model_name: str, bos: str, eos: str, **extra):
             bos_token_id=ids[bos], eos_token_id=ids[eos], pad_token_id=ids["<pad>"])
         return getattr(transformers, model_name)(config)
     return build
+
+
+def _bloom(vocab, ids):
+    """ALiBi positions: the config has no context length (features.context gives it)."""
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM(BloomConfig(vocab_size=vocab, hidden_size=32, n_layer=2, n_head=4,
+                                        bos_token_id=ids["<|endoftext|>"],
+                                        eos_token_id=ids["<|endoftext|>"],
+                                        pad_token_id=ids["<pad>"]))
+
+
+def _mpt(vocab, ids):
+    """ALiBi positions up to ``max_seq_len``."""
+    from transformers import MptConfig, MptForCausalLM
+    return MptForCausalLM(MptConfig(vocab_size=vocab, d_model=32, n_heads=4, n_layers=2,
+                                    expansion_ratio=2, max_seq_len=256,
+                                    bos_token_id=ids["<|endoftext|>"],
+                                    eos_token_id=ids["<|endoftext|>"]))
 
 
 def _opt(vocab, ids):
@@ -91,6 +115,41 @@ FAMILIES = {f.name: f for f in [
     Family("gemma2", _llama_like("Gemma2Config", "Gemma2ForCausalLM", "<bos>", "<eos>",
                                  head_dim=8, final_logit_softcapping=3.0, sliding_window=64),
            "<bos>", "<eos>", "model.layers.-1.pre_feedforward_layernorm"),
+    # ALiBi positions: Bloom's of any length, MPT's up to max_seq_len
+    Family("bloom", _bloom, None, "<|endoftext|>", "transformer.h.-1.post_attention_layernorm"),
+    Family("mpt", _mpt, None, "<|endoftext|>", "transformer.blocks.-1.norm_2"),
+    # scaled logits (Command R's and Granite 3.0's own scales): Cohere multiplies by
+    # logit_scale, Granite divides by logits_scaling; Cohere's block is parallel
+    Family("cohere", _llama_like("CohereConfig", "CohereForCausalLM", "<bos>", "<eos>",
+                                 logit_scale=0.0625),
+           "<bos>", "<eos>", "model.layers.-1.input_layernorm"),
+    Family("granite", _llama_like("GraniteConfig", "GraniteForCausalLM", "<|endoftext|>",
+                                  "<|endoftext|>", logits_scaling=8.0, embedding_multiplier=12.0,
+                                  residual_multiplier=0.22, attention_multiplier=0.125),
+           None, "<|endoftext|>", "model.layers.-1.post_attention_layernorm"),
+    # checked at the adapter only
+    Family("mixtral", _llama_like("MixtralConfig", "MixtralForCausalLM", "<s>", "</s>",
+                                  num_local_experts=4, num_experts_per_tok=2),
+           "<s>", "</s>", "model.layers.-1.post_attention_layernorm", pipeline=False),
+    Family("qwen3", _llama_like("Qwen3Config", "Qwen3ForCausalLM", "<|endoftext|>",
+                                "<|endoftext|>", head_dim=8),
+           None, "<|endoftext|>", "model.layers.-1.post_attention_layernorm", pipeline=False),
+    Family("gemma3_text", _llama_like("Gemma3TextConfig", "Gemma3ForCausalLM", "<bos>", "<eos>",
+                                      head_dim=8, sliding_window=64),
+           "<bos>", "<eos>", "model.layers.-1.pre_feedforward_layernorm", pipeline=False),
+    Family("phi3", _llama_like("Phi3Config", "Phi3ForCausalLM", "<|endoftext|>",
+                               "<|endoftext|>"),
+           None, "<|endoftext|>", "model.layers.-1.post_attention_layernorm", pipeline=False),
+    Family("olmo", _llama_like("OlmoConfig", "OlmoForCausalLM", "<|endoftext|>",
+                               "<|endoftext|>"),
+           None, "<|endoftext|>", "model.layers.-1.post_attention_layernorm", pipeline=False),
+    Family("olmo2", _llama_like("Olmo2Config", "Olmo2ForCausalLM", "<|endoftext|>",
+                                "<|endoftext|>"),
+           None, "<|endoftext|>", "model.layers.-1.post_attention_layernorm", ffn_residual=True,
+           pipeline=False),
+    Family("stablelm", _llama_like("StableLmConfig", "StableLmForCausalLM", "<|endoftext|>",
+                                   "<|endoftext|>"),
+           None, "<|endoftext|>", "model.layers.-1.post_attention_layernorm", pipeline=False),
 ]}
 
 

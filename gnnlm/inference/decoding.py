@@ -37,7 +37,7 @@ from gnnlm.gnn.incremental import ContextStates
 from gnnlm.gnn.trained import TrainedGNN
 from gnnlm.inference.heads import FeatureHead, FinetunedSpalm, SegmentSpalm
 from gnnlm.inference.served import NotServed, RowSettings
-from gnnlm.models.base import BaseLM, Features, softcap
+from gnnlm.models.base import BaseLM, Features
 from gnnlm.models.decode import StreamDecoder, stream_features
 from gnnlm.models.gpt import GPT, KVCache
 from gnnlm.pipeline import rows
@@ -240,8 +240,7 @@ class Decoder:
     def _output(self, h: Tensor) -> Tensor:
         """log-softmax of ``h`` [B, d] through the base LM's output embedding."""
         weight, bias = self.lm.output_embedding
-        return torch.log_softmax(softcap(F.linear(h.float(), weight, bias),
-                                         self.lm.logit_softcap), -1)
+        return torch.log_softmax(self.lm.logit_transform(F.linear(h.float(), weight, bias)), -1)
 
     def gnn_logprobs(self) -> Tensor:
         assert isinstance(self.head, TrainedGNN) and self.gnn is not None
@@ -262,7 +261,7 @@ class Decoder:
                 return head.module(h)
             weight, bias = self.lm.output_embedding
             logits, _ = head.module(h, self._values(head.key, head.metric, head.retrieved),
-                                    weight, bias, logit_softcap=self.lm.logit_softcap)
+                                    weight, bias, logit_transform=self.lm.logit_transform)
             return torch.log_softmax(logits, -1)
         if isinstance(head, FinetunedSpalm):
             assert self.tuned is not None
@@ -270,7 +269,7 @@ class Decoder:
             weight, out_bias = head.lm.output_embedding()
             logits, _ = head.gate(final, self._values(head.key, head.metric, head.retrieved),
                                   weight.float(), None if out_bias is None else out_bias.float(),
-                                  logit_softcap=head.lm.logit_softcap)
+                                  logit_transform=head.lm.logit_transform)
             return torch.log_softmax(logits, -1)
         if isinstance(head, SegmentSpalm):
             assert self.segments is not None

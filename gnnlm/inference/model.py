@@ -33,6 +33,7 @@ from gnnlm.gnn.window_states import WindowStates
 from gnnlm.inference.heads import Head, load_head
 from gnnlm.inference.served import NotServed, RowSettings, Served
 from gnnlm.models import BaseLM, hf_options, is_hf, load_base_lm
+from gnnlm.models.base import LogitTransform
 from gnnlm.retrieval.features import load_output_embedding
 from gnnlm.retrieval.lookup import Lookup
 from gnnlm.text.tokens import TokenStore
@@ -60,7 +61,7 @@ class TrainedLM:
         self.bos_id = int(self.store.bos_id)
         self.bos_each_window = bool(self.features.get("bos_each_window", False))
         self.vocab_size = int(self.features["vocab_size"])
-        self.logit_softcap: Optional[float] = self.features["base_lm"].get("logit_softcap")
+        self.logit_transform = LogitTransform.of(self.features["base_lm"])
         self._lookups: dict[tuple[str, str], Lookup] = {}
         self._heads: dict[str, Head] = {}
         self._window_states: Optional[WindowStates] = None

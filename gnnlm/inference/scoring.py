@@ -36,7 +36,7 @@ from gnnlm.gnn.trained import TrainedGNN
 from gnnlm.inference.heads import FeatureHead, FinetunedSpalm, SegmentSpalm
 from gnnlm.inference.served import NotServed, RowSettings
 from gnnlm.models import protocols
-from gnnlm.models.base import BaseLM, softcap
+from gnnlm.models.base import BaseLM
 from gnnlm.models.encode import encode_windows, stream_tensor
 from gnnlm.models.segments import StreamSegments
 from gnnlm.pipeline import rows
@@ -113,7 +113,7 @@ def encode(model: BaseLM, ids: np.ndarray, lm: TrainedLM, with_logprob: bool = F
     """Features of every position of ``ids`` under the datastore's sliding windows (as the
     features stage encodes a split: context and stride at most the text's length)."""
     n = len(ids)
-    context = min(lm.context, n, model.context_length)
+    context = min(lm.context, n, model.context_length or n)
     batches = list(encode_windows(model, ids, lm.bos_id, context, min(lm.stride, context),
                                   batch_size=batch_size, with_logprob=with_logprob,
                                   bos_each_window=lm.bos_each_window))
@@ -222,7 +222,7 @@ def gnn_logprobs(inputs: Inputs, gnn: TrainedGNN, k: int) -> np.ndarray:
             retrieved[b, :end - start] = torch.from_numpy(
                 select_neighbors(neighbour_ids[start:end], k))
         h = states(x, context_layout(mask, retrieved, graph))[mask]        # [n_b, d]
-        logits = softcap(F.linear(h.float(), weight, bias), lm.logit_softcap)
+        logits = lm.logit_transform(F.linear(h.float(), weight, bias))
         lo, hi = blocks[0][0], blocks[-1][1]
         out[lo:hi] = _nll_of(logits, inputs.targets[lo:hi])
     return out
@@ -244,7 +244,8 @@ def feature_head_logprobs(inputs: Inputs, head: FeatureHead) -> np.ndarray:
             out[part] = logp.gather(1, inputs.targets[part, None])[:, 0].numpy()
             continue
         values = inputs.values(head.key, head.metric, head.retrieved)[part]
-        logits, _ = head.module(h[part], values, weight, bias, logit_softcap=lm.logit_softcap)
+        logits, _ = head.module(h[part], values, weight, bias,
+                                logit_transform=lm.logit_transform)
         out[part] = _nll_of(logits, inputs.targets[part])
     return out
 
@@ -262,7 +263,7 @@ def finetuned_spalm_logprobs(inputs: Inputs, head: FinetunedSpalm) -> np.ndarray
         part = slice(start, start + HEAD_ROWS)
         logits, _ = head.gate(final[part], values[part], weight.float(),
                               None if bias is None else bias.float(),
-                              logit_softcap=head.lm.logit_softcap)
+                              logit_transform=head.lm.logit_transform)
         out[part] = _nll_of(logits, inputs.targets[part])
     return out
 

@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 from gnnlm.lit.optim import adamw_warmup_cosine
+from gnnlm.models.base import LogitTransform
 from gnnlm.utils.metrics import TokenNLL
 
 
@@ -41,7 +42,7 @@ class TokenLevelModule(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.val_nll, self.test_nll = TokenNLL(), TokenNLL()
-        self.logit_softcap: Optional[float] = None  # the base LM's (Gemma 2), with W
+        self.logit_transform = LogitTransform()  # the base LM's scale and soft-cap, with W
         # the split a predict run scores: whoever runs predict sets it (gnnlm.pipeline.runner)
         self.predict_split = "test"
         if self.uses_output_embedding:
@@ -49,13 +50,13 @@ class TokenLevelModule(pl.LightningModule):
             self.register_buffer("out_bias", torch.empty(0), persistent=False)
 
     def attach_output_embedding(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                logit_softcap: Optional[float] = None) -> None:
+                                logit_transform: Optional[LogitTransform] = None) -> None:
         V, d = weight.shape
         hp = self.hparams
         if d != hp.feature_dim or (hp.vocab_size and V != hp.vocab_size):
             raise ValueError(f"The output embedding is {V}×{d} but the model was built for "
                              f"vocab_size={hp.vocab_size}, feature_dim={hp.feature_dim}.")
-        self.logit_softcap = logit_softcap
+        self.logit_transform = logit_transform or LogitTransform()
         self.out_weight = weight.to(self.device, torch.float32)
         self.out_bias = (bias if bias is not None else torch.zeros(V)).to(self.device,
                                                                         torch.float32)

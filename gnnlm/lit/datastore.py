@@ -23,7 +23,7 @@ class AttachDatastore(pl.Callback):
         if (getattr(pl_module, "uses_output_embedding", False)
                 and not pl_module.has_output_embedding and hasattr(data, "output_embedding")):
             pl_module.attach_output_embedding(*data.output_embedding(),
-                                              getattr(data, "logit_softcap", None))
+                                              getattr(data, "logit_transform", None))
         if (hasattr(pl_module, "attach_node_features") and not pl_module.has_node_features
                 and hasattr(data, "node_features")):
             pl_module.attach_node_features(data.node_features(), data.n_train)

@@ -30,7 +30,7 @@ from gnnlm.gnn.graph import METADATA, GraphConfig
 from gnnlm.gnn.layer import GNNStack
 from gnnlm.gnn.window_states import NodeFeatures, WindowStates
 from gnnlm.lit.base import TokenLevelModule
-from gnnlm.models.base import float32, softcap
+from gnnlm.models.base import float32
 from gnnlm.utils.metrics import target_nll
 
 
@@ -130,7 +130,7 @@ class GNNLM(TokenLevelModule):
         else:
             h = self.gnn(batch.x_dict, batch.edge_index_dict)["ctx"]       # [n_ctx, d]
         with float32(h):  # the softmax stays in float32
-            return softcap(F.linear(h.float(), *self.output_embedding()), self.logit_softcap)
+            return self.logit_transform(F.linear(h.float(), *self.output_embedding()))
 
     def token_nll(self, batch, stage: str):
         nll = target_nll(self(batch), batch["ctx"].y)

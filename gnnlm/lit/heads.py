@@ -60,7 +60,7 @@ class SpalmLM(GatedHead):
     def forward(self, batch: dict, force_gate: float | None = None):
         weight, bias = self.output_embedding()
         return self.head(batch["h"], batch["nbr_values"], weight, bias, force_gate,
-                         logit_softcap=self.logit_softcap)
+                         logit_transform=self.logit_transform)
 
     def gated_nll(self, batch: dict, stage: str):
         logits, gate = self(batch)
@@ -131,7 +131,7 @@ class SpalmFinetuneLM(GatedHead):
         weight, bias = self.lm.output_embedding()
         return self.head(final.flatten(0, 1), batch["nbr_values"].flatten(0, 1), weight.float(),
                          None if bias is None else bias.float(), force_gate,
-                         logit_softcap=self.lm.logit_softcap)
+                         logit_transform=self.lm.logit_transform)
 
     def gated_nll(self, batch: dict, stage: str):
         logits, gate = self(batch)

@@ -12,6 +12,7 @@ and the output embedding ``(W, b)`` that turns ``final`` into logits.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -33,6 +34,33 @@ def softcap(logits: Tensor, cap: Optional[float]) -> Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a base LM does to ``final @ W.T + b`` before its softmax, in the order its own
+    forward does it: a scale (Cohere's ``logit_scale`` multiplies, Granite's ``logits_scaling``
+    divides: ``scale`` is then its inverse), then soft-capping (Gemma 2/3). Every place that
+    turns features into logits through the base LM's output embedding applies it (the base LM's
+    log-probabilities, GNN-LM's readout, SPALM's gate), so a head with nothing to add is
+    exactly the base LM. The identity by default."""
+    scale: float = 1.0
+    softcap: Optional[float] = None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return softcap(logits, self.softcap)
+
+    def identity(self) -> dict:
+        """As a features manifest records it (``logit_scale`` only where the model scales)."""
+        scaled = {"logit_scale": self.scale} if self.scale != 1.0 else {}
+        return {"logit_softcap": self.softcap, **scaled}
+
+    @classmethod
+    def of(cls, identity: dict) -> LogitTransform:
+        """The transform a base LM's recorded ``identity()`` names."""
+        return cls(float(identity.get("logit_scale") or 1.0), identity.get("logit_softcap"))
+
+
 class Features(NamedTuple):
     final: Tensor                       # [B, T, d]
     att: Tensor                         # [B, T, d]
@@ -43,10 +71,10 @@ class BaseLM(nn.Module):
     """A causal LM that exposes ``final``/``att`` features and its output embedding."""
     vocab_size: int
     hidden_size: int
-    context_length: int
+    context_length: Optional[int]      # None: positions without a limit (Bloom's ALiBi)
     memory_length: int = 0
     name: str = "base-lm"
-    logit_softcap: Optional[float] = None
+    logit_transform: LogitTransform = LogitTransform()
 
     def forward(self, input_ids: Tensor, memory: Optional[list[Tensor]] = None) -> Features:
         raise NotImplementedError
@@ -68,7 +96,7 @@ class BaseLM(nn.Module):
 
     def logits(self, final: Tensor) -> Tensor:
         weight, bias = self.output_embedding()
-        return F.linear(final, weight, bias)
+        return self.logit_transform(F.linear(final, weight, bias))
 
     @torch.no_grad()
     def fingerprint(self) -> str:

@@ -8,12 +8,21 @@ negative ones from the end). The model's ``forward`` is never replaced. Defaults
 - ``final``: the last hidden state after the final norm, what the output embedding reads
   (GNN-LM's node feature; Khandelwal et al.'s final-layer key);
 - ``att``: the input of the last block's FFN, i.e. the normed attention-side residual
-  (Xu et al. §3). In parallel-residual blocks (GPT-NeoX/Pythia, Phi) the FFN reads the block's
-  normed input, which does not include that block's attention output.
+  (Xu et al. §3). In parallel-residual blocks (GPT-NeoX/Pythia, Phi, Cohere) the FFN reads the
+  block's normed input, which does not include that block's attention output; in OLMo 2's
+  post-norm blocks it reads the residual stream itself.
 
-At load, one short forward pass checks that ``final`` reproduces the model's logits through the
-output embedding (bias and ``final_logit_softcapping`` included), so a wrong path fails at once.
+Some families transform the output embedding's logits before the softmax: Gemma 2/3 soft-cap
+them (``final_logit_softcapping``), Cohere multiplies them by ``logit_scale`` and Granite divides
+them by ``logits_scaling`` (``LOGIT_SCALES``). The adapter records that as its
+``logit_transform`` (``gnnlm.models.base.LogitTransform``), which every head that reads the output
+embedding applies. At load, one short forward pass checks that ``final`` reproduces the model's
+logits through the output embedding and that transform, so a wrong path fails at once.
 Log-probabilities are computed in float32 whatever dtype the weights are loaded in.
+
+The context is the config's ``CONTEXT_FIELDS`` (MPT's ALiBi: ``max_seq_len``). Bloom's ALiBi
+positions have no length: its ``context_length`` is None and ``features.context`` sets the
+windows.
 """
 from __future__ import annotations
 
@@ -27,10 +36,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gnnlm.models.base import BaseLM, Features, softcap
+from gnnlm.models.base import BaseLM, Features, LogitTransform
 
 # the settings a config checks without torch; importable from here too
 from gnnlm.models.settings import (  # noqa: F401
+    CONTEXT_FIELDS,
     DEFAULT_CONTEXT,
     DTYPE_NAMES,
     FEATURE_KEYS,
@@ -47,11 +57,43 @@ KEY_PATHS: dict[str, dict[str, str]] = {
     "opt": {"att": "model.decoder.layers.-1.fc1:input",
             "final": "model.decoder.final_layer_norm:output"},
     "phi": {"att": "model.layers.-1.mlp:input", "final": "model.final_layernorm:output"},
+    "bloom": {"att": "transformer.h.-1.mlp:input", "final": "transformer.ln_f:output"},
+    "mpt": {"att": "transformer.blocks.-1.ffn:input", "final": "transformer.norm_f:output"},
     **{family: _LLAMA_STYLE for family in (
         "llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
         "phi3", "olmo", "olmo2", "granite", "stablelm", "cohere")},
 }
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+# families whose forward scales the output embedding's logits: the config field, and whether it
+# multiplies or divides them (MPT's config has a logit_scale that its forward does not apply)
+LOGIT_SCALES: dict[str, tuple[str, str]] = {
+    **{family: ("logit_scale", "multiply") for family in ("cohere", "cohere2", "cohere2_moe")},
+    **{family: ("logits_scaling", "divide") for family in (
+        "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared",
+        "granitemoehybrid")},
+    "hyperclovax": ("logits_scaling", "multiply"),
+}
+
+
+def logit_transform(config: Any) -> LogitTransform:
+    """What the model's forward does to ``final @ W.T + b``: its family's logit scale
+    (``LOGIT_SCALES``), then ``final_logit_softcapping`` where set."""
+    scale = 1.0
+    if str(getattr(config, "model_type", "")) in LOGIT_SCALES:
+        field, how = LOGIT_SCALES[config.model_type]
+        value = float(getattr(config, field, None) or 1.0)
+        scale = value if how == "multiply" else 1.0 / value
+    cap = getattr(config, "final_logit_softcapping", None)
+    return LogitTransform(scale, float(cap) if cap else None)
+
+
+def hf_context(config: Any) -> Optional[int]:
+    """The positions the model reads (``CONTEXT_FIELDS``, the first set), or None for ALiBi
+    positions without a length (Bloom)."""
+    value = next((getattr(config, field, None) for field in CONTEXT_FIELDS
+                  if getattr(config, field, None)), None)
+    return int(value) if value else None
 
 
 def find_module(model: nn.Module, path: str, field: str) -> nn.Module:
@@ -100,10 +142,8 @@ class HFCausalLM(BaseLM):
         self.model_type = str(getattr(cfg, "model_type", ""))
         head = model.get_output_embeddings()
         self.vocab_size, self.hidden_size = head.weight.shape
-        self.context_length = int(getattr(cfg, "n_positions", None)
-                                  or cfg.max_position_embeddings)
-        softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.logit_softcap = float(softcap) if softcap else None
+        self.context_length = hf_context(cfg)
+        self.logit_transform = logit_transform(cfg)
         self.keys = self._key_paths(keys or {})
         self._captured: dict[str, Tensor] = {}
         modules = {key: find_module(model, path, f"base_lm.keys.{key}")
@@ -229,7 +269,9 @@ class HFCausalLM(BaseLM):
 
     @torch.no_grad()
     def check_final(self, n_tokens: int = 8) -> None:
-        """``final`` through the output embedding must give the model's own logits."""
+        """``final`` through the output embedding and the logit transform must give the model's
+        own logits. Logits off by one constant factor are a family that scales them in a way
+        ``LOGIT_SCALES`` does not know, and the error says so rather than blame the path."""
         ids = torch.arange(min(n_tokens, self.vocab_size))[None] % self.vocab_size
         was_training = self.model.training
         self.model.eval()
@@ -244,16 +286,30 @@ class HFCausalLM(BaseLM):
         tolerance = 1e-4 if self.model.dtype == torch.float32 else 3e-2
         error = float((ours - reference.to(ours.device)).abs().max() / scale)
         if error > tolerance:
+            self._check_scale(ours, reference.to(ours.device), scale, tolerance)
             raise ValueError(f"base_lm.keys.final = {self.keys['final']!r} does not reproduce "
                              f"the model's logits (relative error {error:.2g}): name the module "
                              f"whose output the output embedding reads (the final norm).")
 
+    def _check_scale(self, ours: Tensor, reference: Tensor, scale: Tensor,
+                     tolerance: float) -> None:
+        """Raise where the model's logits are ``ours`` times one factor (least squares)."""
+        factor = float((ours * reference).sum() / (ours * ours).sum().clamp(min=1e-30))
+        if abs(factor - 1.0) > 1e-3 and float(
+                (factor * ours - reference).abs().max() / scale) <= tolerance:
+            raise ValueError(
+                f"The model's logits are those of base_lm.keys.final = {self.keys['final']!r} "
+                f"times {factor:.4g}: model_type {self.model_type!r} scales its logits past the "
+                f"output embedding, which gnnlm.models.hf.LOGIT_SCALES does not list; add its "
+                f"config field there.")
+
     def logits(self, final: Tensor) -> Tensor:
-        """float32 logits of ``final``: ``final @ W.T + b``, soft-capped where the model is."""
+        """float32 logits of ``final``: ``final @ W.T + b``, then the model's logit transform
+        (its scale, its soft-cap)."""
         weight, bias = self.output_embedding()
         final = final.to(weight.device, torch.float32)
         logits = F.linear(final, weight.float(), None if bias is None else bias.float())
-        return softcap(logits, self.logit_softcap)
+        return self.logit_transform(logits)
 
     def to(self, *args, **kwargs):
         """A model spread over devices (``device_map``) stays where it was placed."""
@@ -278,4 +334,4 @@ class HFCausalLM(BaseLM):
 
     def identity(self) -> dict:
         return {**super().identity(), "keys": dict(self.keys), "dtype": self.dtype_name,
-                "logit_softcap": self.logit_softcap}
+                **self.logit_transform.identity()}

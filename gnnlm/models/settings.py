@@ -9,6 +9,17 @@ FEATURE_KEYS = ("final", "att")
 # the precisions a Hugging Face base LM's weights may be loaded in (torch dtypes of these names)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_CONTEXT = 1024  # a model's own context can be 128k: the features' window is a setting
+# the config fields that give a Hugging Face model's context, the first set one: learned or
+# rotary positions, or MPT's ALiBi length; Bloom's ALiBi has none (features.context gives it)
+CONTEXT_FIELDS = ("n_positions", "max_position_embeddings", "max_seq_len")
+
+
+def no_context(lm: str) -> str:
+    """The error of a base LM whose positions have no length (ALiBi: Bloom) when no
+    ``features.context`` says how long its windows are."""
+    return (f"features.context is not set and {lm} has no context length of its own (ALiBi "
+            f"positions, any length): set features.context, the tokens each window reads "
+            f"(e.g. {DEFAULT_CONTEXT}).")
 
 
 def is_hf(spec: str) -> bool:

@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
-from gnnlm.models.settings import DEFAULT_CONTEXT, check_hf_folder, is_hf
+from gnnlm.models.settings import (
+    CONTEXT_FIELDS,
+    DEFAULT_CONTEXT,
+    check_hf_folder,
+    is_hf,
+    no_context,
+)
 from gnnlm.pipeline.config_files import merged_yaml, yaml_list
 from gnnlm.text.corpus import locate_corpus
 from gnnlm.text.settings import TokenizerConfig, tokenizer_settings
@@ -300,9 +306,10 @@ def _check_counts(where: str, args: dict) -> None:
                              f"(windows retrieved per token) must be >= 1.")
 
 
-def base_lm_shape(cfg: PipelineConfig) -> Optional[tuple[int, int]]:
+def base_lm_shape(cfg: PipelineConfig) -> Optional[tuple[Optional[int], int]]:
     """The base LM's context length and hidden size (the features' dimension), as far as they
-    are known at load without loading weights or downloading; None when they are not.
+    are known at load without loading weights or downloading; None when they are not. The
+    context is None for a Hugging Face model whose ALiBi positions have no length (Bloom).
 
     From a ``gnnlm fit`` checkpoint's saved hyper-parameters, from a Hugging Face folder's (or
     the local Hub cache's) config.json, or, when the pipeline trains the base LM, from its
@@ -334,7 +341,7 @@ def _shape(context: Any, hidden: Any) -> Optional[tuple[int, int]]:
     return (context, hidden) if ok else None
 
 
-def _hf_shape(name: str) -> Optional[tuple[int, int]]:
+def _hf_shape(name: str) -> Optional[tuple[Optional[int], int]]:
     """From config.json in the folder ``name``, or in the Hub cache for a model name (never
     downloaded here). The hidden size is the output embedding's input (OPT's
     ``word_embed_proj_dim`` where it projects), which the features have."""
@@ -355,8 +362,11 @@ def _hf_shape(name: str) -> Optional[tuple[int, int]]:
     def first(*names: str) -> Any:
         return next((config[n] for n in names if config.get(n) is not None), None)
 
-    return _shape(first("n_positions", "max_position_embeddings"),
-                  first("word_embed_proj_dim", "hidden_size", "n_embd", "d_model"))
+    hidden = first("word_embed_proj_dim", "hidden_size", "n_embd", "d_model")
+    context = first(*CONTEXT_FIELDS)
+    if context is None and _shape(1, hidden):  # ALiBi positions of any length (Bloom)
+        return None, hidden
+    return _shape(context, hidden)
 
 
 def _check_against_base_lm(cfg: PipelineConfig) -> None:
@@ -371,6 +381,10 @@ def _check_against_base_lm(cfg: PipelineConfig) -> None:
     fc, spec = cfg.features, cfg.base_lm.ckpt
     lm = (f"base_lm.ckpt {spec}" if spec else
           f"the base LM of base_lm.config ({' + '.join(yaml_list(cfg.base_lm.config))})")
+    if limit is None:  # the model reads any length: features.context says how long
+        if fc.context is None:
+            raise ValueError(no_context(lm))
+        limit = fc.context
     if fc.context is not None and fc.context > limit:
         raise ValueError(f"features.context = {fc.context} exceeds the context of {lm}, "
                          f"{limit} tokens: lower it to at most {limit}, or leave it unset for "

@@ -158,6 +158,8 @@ def base_lm_line(identity: dict) -> str:
     if identity.get("keys"):
         keys = ", ".join(f"{key} at {path}" for key, path in identity["keys"].items())
         line += f", {identity.get('dtype', 'float32')} weights; {keys}"
+    if identity.get("logit_scale"):
+        line += f"; logits scaled by {identity['logit_scale']:g}"
     if identity.get("logit_softcap"):
         line += f"; logits soft-capped at {identity['logit_softcap']:g}"
     return line + ")"

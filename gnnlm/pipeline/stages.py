@@ -20,6 +20,7 @@ import numpy as np
 from gnnlm.gnn.pq import build_pq
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
+from gnnlm.models.settings import no_context
 from gnnlm.pipeline import data_checks, rows
 from gnnlm.pipeline.ablations import (
     ABLATIONS_VERSION,
@@ -154,10 +155,13 @@ def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdi
     The Hugging Face default context (at most ``DEFAULT_CONTEXT``) is said here, once, and each
     features manifest records the context and stride used (``config``, ``protocol``)."""
     fc = cfg.features
-    if fc.context is not None and fc.context > model.context_length:
+    limit = model.context_length
+    if fc.context is not None and limit is not None and fc.context > limit:
         raise ValueError(f"features.context = {fc.context} exceeds the base LM's context "
-                         f"({model.name}: {model.context_length} positions): lower it.")
-    context = fc.context or model.context_length
+                         f"({model.name}: {limit} positions): lower it.")
+    context = fc.context or limit
+    if context is None:
+        raise ValueError(no_context(f"the base LM {model.name}"))
     if fc.context is None and is_hf(location) and context > DEFAULT_CONTEXT:
         context = DEFAULT_CONTEXT
         print(f"features.context not set: windows of {context} tokens (the model allows "

@@ -59,7 +59,7 @@ def build_features(model: BaseLM, store: TokenStore, workdir: Workdir, split: st
         raise ValueError(f"Split {split!r} has no tokens to encode (features.max_tokens: "
                          f"{max_tokens}, tokens in {store.path}): give every split a positive "
                          f"prefix.")
-    context = min(context, n, model.context_length)
+    context = min(context, n, model.context_length or n)
     stride = min(stride, context)
     starts, _ = sliding_windows(n, context, stride)
     job = FeaturesJob(out_dir=workdir.features(split), model=model,
@@ -237,6 +237,7 @@ def encode_text_positions(model: BaseLM, ids: np.ndarray, bos_id: int,
     the model reads one first in every window), float32 [rows, d]: row t predicts the token
     after stream[t], the last row the token after the text (for ``explain``)."""
     stream = torch.from_numpy(np.concatenate([[bos_id], ids]).astype(np.int64))[None]
-    stream = stream[:, -model.context_length:]
+    if model.context_length is not None:
+        stream = stream[:, -model.context_length:]
     feats = model.eval()(open_with_bos(stream, bos_id) if bos_each_window else stream)
     return {"final": feats.final[0].float().numpy(), "att": feats.att[0].float().numpy()}

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gnnlm.models.base import float32, softcap
+from gnnlm.models.base import LogitTransform, float32
 
 
 class SpalmGate(nn.Module):
@@ -45,14 +45,15 @@ class SpalmGate(nn.Module):
     def forward(self, h: Tensor, nbr_values: Tensor, weight: Tensor, bias: Optional[Tensor],
                 force_gate: Optional[float] = None, value_weight: Optional[Tensor] = None,
                 memory_scale: Optional[Tensor] = None,
-                logit_softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
+                logit_transform: Optional[LogitTransform] = None) -> tuple[Tensor, Tensor]:
         """``h [B, d]``, ``nbr_values [B, K]`` (-1 = none) → ``(logits [B, V], g [B, d])``.
 
         The y_k are rows of ``value_weight`` (default: ``weight``, SPALM's one W; a separate
         tensor lets a caller follow or cut the gradient of each path on its own).
         ``memory_scale`` (a scalar or [d]) multiplies m_t before the gate (None: the paper's
-        m_t; ``gnnlm.spalm.model`` says why a warm-started model needs it). ``logit_softcap``: the
-        base LM's final-logit soft-capping (Gemma 2), so that g = 1 is the base LM.
+        m_t; ``gnnlm.spalm.model`` says why a warm-started model needs it). ``logit_transform``:
+        the base LM's logit scale and soft-cap (Cohere, Granite, Gemma 2), so that g = 1 is the
+        base LM.
         Computed in float32 whatever the autocast around it."""
         with float32(h):
             h, weight = h.float(), weight.float()
@@ -68,4 +69,4 @@ class SpalmGate(nn.Module):
                 else torch.full_like(h, float(force_gate))                # [B, d]
             z = (1 - g) * m + g * h
             logits = F.linear(z, weight, None if bias is None else bias.float())
-            return softcap(logits, logit_softcap), g
+            return (logits if logit_transform is None else logit_transform(logits)), g
