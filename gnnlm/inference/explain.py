@@ -64,7 +64,7 @@ def main(args: list[str]) -> list[dict]:
     namespace = parser.parse_args(args)
     text, top = namespace.pop("text"), namespace.pop("top")
     cfg = to_config(parser, namespace)
-    workdir = Workdir(cfg.workdir)
+    workdir = Workdir(cfg.root)
     own = {"--text", "--top"}  # explain's options: the rest is the pipeline's command line
     pipeline_args = [a for i, a in enumerate(args) if a.split("=")[0] not in own
                      and not (i and args[i - 1] in own)]

@@ -342,7 +342,7 @@ class PipelineConfig:
         copy_report_to: a folder to copy reports/<name>/ into when the run ends (made if absent)
     """
     name: str = ""
-    workdir: str = ""
+    workdir: Optional[str] = None   # unset, not empty: an empty path is refused at load
     base_lm: BaseLMConfig = field(default_factory=BaseLMConfig)
     corpus: Optional[CorpusConfig] = None
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -394,8 +394,15 @@ class PipelineConfig:
         # runs/lawtexts/reports/lawtexts/ unless name or workdir is given
         if not self.name:
             self.name = self.corpus.name if self.corpus is not None else "wikitext2"
-        if not self.workdir:
+        if self.workdir is None:
             self.workdir = f"runs/{self.name}"
+
+    @property
+    def root(self) -> str:
+        """The work directory's path as given, or ``runs/<name>`` when unset (an empty path is
+        kept as given: the checks at load refuse it)."""
+        assert self.workdir is not None, "set in __post_init__"
+        return self.workdir
 
 
 # what each section of a pipeline config is for, one line each (``--help`` lists them)

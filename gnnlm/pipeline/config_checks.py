@@ -61,7 +61,7 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         unknown = [s for s in cfg.rebuild if s not in known]
         if unknown:
             raise ValueError(f"--rebuild names stages {sorted(known)} (got {unknown}).")
-    check_workdir(cfg.workdir)
+    check_workdir(cfg.root)
     if cfg.copy_report_to and os.path.exists(cfg.copy_report_to) and not os.path.isdir(
             cfg.copy_report_to):  # refused now, not when every stage has run
         raise ValueError(f"copy_report_to = {cfg.copy_report_to} is a file: name a folder "

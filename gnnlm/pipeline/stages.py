@@ -276,7 +276,7 @@ def run(cfg: PipelineConfig) -> dict:
     """Run every stage; return the results dict also written to ``reports/<name>/``, beside
     ``stage_times.json`` (this run's wall time of each stage); with ``copy_report_to``, copy
     that folder there too."""
-    workdir = Workdir(cfg.workdir)
+    workdir = Workdir(cfg.root)
     workdir.check_layout()
     for chain in cfg.fit_chains():  # every trained part's config parses, before any work
         check_fit_config(chain)
@@ -382,4 +382,4 @@ def main(args: list[str]) -> None:
     from gnnlm.pipeline.report import print_table
 
     cfg = load_config(args, description=main.__doc__, machine=True)
-    print_table(run(cfg), Workdir(cfg.workdir))
+    print_table(run(cfg), Workdir(cfg.root))

@@ -298,7 +298,7 @@ def main(args: list[str]) -> Sweep:
     cfg = load_config(args, prog="gnnlm sweep", description=main.__doc__)
     knn = cfg.knn
     ks, temperatures, lambdas = knn.grid()
-    workdir = Workdir(cfg.workdir)
+    workdir = Workdir(cfg.root)
     caches = [workdir.knn_cache(knn.primary, knn.metric, knn.scores, split)
               for split in ("valid", "test")]
     check_built("gnnlm sweep", args, caches)  # before the lock and the report folder exist
