@@ -318,10 +318,8 @@ class PipelineConfig:
     """A pipeline run: its stages' settings, one section each (``--help=SECTION``).
 
     Args:
-        name: the run's name: the report goes to <workdir>/reports/<name>/ (unset: the corpus
-            section's name, else wikitext2)
-        workdir: the work directory every stage writes its artifact folder under (unset:
-            runs/<name>)
+        name: the run's name, of reports/<name>/ (unset: the corpus's name, else wikitext2)
+        workdir: the folder every stage writes its artifact folder under (unset: runs/<name>)
         base_lm: the frozen base LM: a checkpoint, hf:<name-or-folder>, or YAMLs to train it
         corpus: the corpus and tokenizer of the whole run (unset: the base LM config's own)
         features: the sliding windows that encode every split with the base LM

@@ -80,12 +80,12 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
         raise ValueError("corpus.tokenizer kind 'hf' without a path means the Hugging Face base "
                          "LM's own tokenizer, but base_lm.ckpt is not hf:<name-or-folder>: give "
                          "corpus.tokenizer.path.")
-    for chain in cfg.fit_chains():
-        _check_fit_counts(chain, merged_yaml(chain))
     if cfg.ablations.memory_lm is not None:
         merged_yaml(yaml_list(cfg.ablations.memory_lm))  # the files exist and parse
-    for row, paths in cfg.heads().items():
+    for row, paths in cfg.heads().items():  # a head's own checks say what each count means
         _check_head(cfg, row, paths, merged_yaml(paths))
+    for chain in cfg.fit_chains():
+        _check_fit_counts(chain, merged_yaml(chain))
     for paths in (yaml_list(cfg.base_lm.config),):
         merged_yaml(paths)
     _check_against_base_lm(cfg)
