@@ -35,6 +35,11 @@ _ALWAYS = _DropLines((
     # line and in the report. (Lightning's "GPU available but not used" is a warning: it stays.)
     "GPU available: ", "TPU available: ", "HPU available: "))
 
+# Lightning's note of a SIGTERM it caught: gnnlm's own handler (``gnnlm.utils.stopping``) stops
+# the run and says so in one line, naming the stage
+SIGNAL_LOGGER = "pytorch_lightning.trainer.connectors.signal_connector"
+_SIGNAL_NOTE = _DropLines(("Received SIGTERM", "[rank: 0] Received SIGTERM"))
+
 # what Lightning says when a fit resumes; gnnlm's own line says what resuming means instead
 _RESUMING = _DropLines(("Restoring states from the checkpoint path at ",
                         "Restored all states from the checkpoint at "))
@@ -49,6 +54,7 @@ def quiet_lightning() -> None:
     """Silence Lightning's promotional tips and the messages that are not true here."""
     for name in LIGHTNING_LOGGERS:
         logging.getLogger(name).addFilter(_ALWAYS)  # (a filter is added once)
+    logging.getLogger(SIGNAL_LOGGER).addFilter(_SIGNAL_NOTE)
     for message in (
             ".*tensorboardX.*",                     # the CSV logger is the intended default
             ".*sync_dist=True.*",                   # epoch metrics are reduced over ranks already
