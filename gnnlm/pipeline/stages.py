@@ -22,7 +22,8 @@ from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
 from gnnlm.pipeline import data_checks, rows
 from gnnlm.pipeline.ablations import ABLATIONS_VERSION, neighbours_label, outdated, run_ablations
-from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, merged_yaml, yaml_list
+from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, yaml_list
+from gnnlm.pipeline.dependencies import cascade_line, gnn_reads_pq
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
 from gnnlm.pipeline.stage_times import StageTimes, timed
@@ -221,8 +222,7 @@ def stage_heads(cfg: PipelineConfig, workdir: Workdir) -> tuple[dict[str, dict],
     reads them (built first)."""
     heads, pq = {}, None
     for row, configs in cfg.heads().items():
-        data = (merged_yaml(configs).get("data") or {}).get("init_args") or {}
-        if row == rows.GNN and data.get("node_features", "pq") == "pq":
+        if row == rows.GNN and gnn_reads_pq(configs):
             with timed("pq"):
                 pq = build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
         with timed(row):  # training and scoring (the manifest has each: train/predict_seconds)
@@ -271,6 +271,9 @@ def run(cfg: PipelineConfig) -> dict:
         check_fit_config(chain)
     workdir.root.mkdir(parents=True, exist_ok=True)
     _lock = lock_workdir(workdir.root, "pipeline")  # one run per work directory, until we return
+    cascade = cascade_line(cfg, workdir)
+    if cascade:  # before any work: what --rebuild discards besides what it names
+        print(cascade, flush=True)
     times = StageTimes()
     with times.running():
         report = run_stages(cfg, workdir)

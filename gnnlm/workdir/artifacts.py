@@ -18,7 +18,8 @@ metric, a table) cannot be edited unseen: every read checks it.
 A manifest also says what the artifact was made from and by: ``reads``, the fingerprint of every
 other artifact whose manifest was read while it was built (inside ``with builder``; recorded by
 ``read_manifest`` itself, so whatever a trained part's data module and model open is in it),
-checked again whenever the artifact is reused and by ``gnnlm verify``; and ``made_by``, the code
+checked again whenever the artifact is reused (one made from artifacts since rebuilt is built
+again) and by ``gnnlm verify``; and ``made_by``, the code
 (``gnnlm.utils.provenance``). What a stage reads before it builds, to name its inputs, is in its
 ``inputs`` (part of its fingerprint) instead.
 """
@@ -107,8 +108,18 @@ def rebuild_hint(path: str | os.PathLike, kind: Optional[str]) -> str:
     path = Path(path)
     if kind == "output_embedding":  # written by the features stage, but never rebuilt by it
         return f"Delete {path} and rerun: the features stage writes it again."
-    stage = re.sub(r"_n(\d+)$", r"[n=\1]", path.name) if kind == "trained_model" else kind
-    return f"Rerun with --rebuild=[{stage}] or delete {path}."
+    return f"Rerun with {rebuild_flag(path, kind)} or delete {path}."
+
+
+def rebuild_flag(path: str | os.PathLike, kind: Optional[str]) -> str:
+    """The ``--rebuild`` of the pipeline stage that builds the artifact at ``path`` (a trained
+    part by its row: ``models/learned_wds_n3`` → ``learned_wds[n=3]``); plain ``--rebuild``
+    when no stage names it."""
+    if kind is None or kind == "output_embedding":
+        return "--rebuild"
+    stage = (re.sub(r"_n(\d+)$", r"[n=\1]", Path(path).name) if kind == "trained_model"
+             else kind)
+    return f"--rebuild=[{stage}]"
 
 
 def changed_hint(path: str | os.PathLike, kind: Optional[str]) -> str:
@@ -308,12 +319,28 @@ def differences(found: dict, asked: dict) -> list[str]:
 
 def refusal(path: str | os.PathLike, kind: Any, found: dict, asked: dict) -> ArtifactError:
     """The error for an artifact at ``path`` recorded as ``found`` ({config, inputs}) where this
-    run asks for ``asked``: one line naming the fields that differ."""
+    run asks for ``asked``: one line naming the fields that differ, and the ``--rebuild`` that
+    remakes it with every stage that reads it (``gnnlm.pipeline.dependencies``)."""
     changed = differences(found, asked)
+    flag = rebuild_flag(path, kind if isinstance(kind, str) else None)
     return ArtifactError(
         f"{path} holds a {kind} made with other settings than this run asks for: "
         f"{'; '.join(changed) or 'the fingerprints differ'}. Use another work directory, delete "
-        f"the folder, or rerun with --rebuild.")
+        f"the folder, or rerun with {flag}, which rebuilds it and every stage that reads it.")
+
+
+def changed_inputs(found: dict, config: dict, inputs: dict) -> Optional[list[str]]:
+    """``"name: found → now"`` for each input of an artifact recorded as ``found`` that differs
+    from ``inputs``, when nothing else differs: the same config and the same input names (an
+    upstream artifact rebuilt). None when the config or the names differ too (other settings,
+    or a manifest of other code), or when nothing does."""
+    recorded = found.get("inputs") or {}
+    if (canonical_json(found.get("config")) != canonical_json(config)
+            or set(recorded) != set(inputs)):
+        return None
+    changed = [f"{name}: {recorded[name]} → {inputs[name]}" for name in sorted(inputs)
+               if canonical_json(recorded[name]) != canonical_json(inputs[name])]
+    return changed or None
 
 
 def check_inputs(manifest: dict, path: str | os.PathLike, expected: dict[str, Any],
@@ -366,24 +393,44 @@ class ArtifactBuilder:
 
     # -- checks -----------------------------------------------------------------------------
     def is_complete(self) -> bool:
-        """True if a complete artifact with this fingerprint exists; raise if another does."""
+        """True if a complete artifact with this fingerprint exists, made from what the work
+        directory holds now; raise if one with other settings does. One made from inputs since
+        rebuilt (``outdated``) is removed to be built again, and a line says why."""
         if not (self.path / MANIFEST).is_file():
             if self.path.exists() and any(self.path.iterdir()):
                 raise ArtifactError(f"{self.path} exists but has no manifest; remove it or "
                                     f"choose another work directory.")
             return False
         found = read_manifest(self.path)
-        if found.get("fingerprint") == self.fingerprint and not self.rebuild:
-            self.check_files(found)
-            self.check_reads(found)
-            say(f"[gnnlm] {self.kind} {self.path}: skipped (complete)")
-            return True
         if self.rebuild:
             shutil.rmtree(self.path)
             return False
-        raise refusal(self.path, found.get("kind"),
-                      {"config": found.get("config"), "inputs": found.get("inputs")},
-                      {"config": self.config, "inputs": self.inputs})
+        why = self.outdated(found)
+        if why is None:
+            self.check_files(found)
+            say(f"[gnnlm] {self.kind} {self.path}: skipped (complete)")
+            return True
+        weights = (", its weights fit to inputs the work directory no longer holds"
+                   if self.kind == "trained_model" else "")
+        say(f"[gnnlm] {self.kind} {self.path}: rebuilding: it was {why}{weights}")
+        shutil.rmtree(self.path)
+        return False
+
+    def outdated(self, found: dict) -> Optional[str]:
+        """Why the complete artifact recorded as ``found`` must be built again although this
+        run asks for its settings: it was made from artifacts since rebuilt (its ``reads``), or
+        from inputs that differ (its ``inputs``, under the same config and input names); None
+        when it can be reused. Raise if its own settings differ: those are refused, never
+        discarded, so a trained part is retrained only when what it was trained on changed."""
+        if found.get("fingerprint") == self.fingerprint:
+            stale = stale_reads(self.path, found)
+            return f"made from artifacts since rebuilt ({'; '.join(stale)})" if stale else None
+        changed = changed_inputs(found, self.config, self.inputs)
+        if changed is None:
+            raise refusal(self.path, found.get("kind"),
+                          {"config": found.get("config"), "inputs": found.get("inputs")},
+                          {"config": self.config, "inputs": self.inputs})
+        return f"made from inputs since rebuilt ({'; '.join(changed)})"
 
     def check_files(self, manifest: dict) -> None:
         """Refuse to reuse an artifact whose files changed after it was built: each file's size,
@@ -394,16 +441,6 @@ class ArtifactBuilder:
             raise ArtifactError(f"{'; '.join(problems)}: the {self.kind.replace('_', ' ')} "
                                 f"changed after it was built (a disk fault, a copy cut short, "
                                 f"or an edit). "
-                                f"{rebuild_hint(self.path, self.kind)}")
-
-    def check_reads(self, manifest: dict) -> None:
-        """Refuse to reuse an artifact made from artifacts that have since been rebuilt with
-        other settings (or removed): its numbers describe inputs the work directory no longer
-        holds."""
-        stale = stale_reads(self.path, manifest)
-        if stale:
-            raise ArtifactError(f"{self.path} was made from artifacts since rebuilt with other "
-                                f"settings ({'; '.join(stale)}). "
                                 f"{rebuild_hint(self.path, self.kind)}")
 
     # -- building ---------------------------------------------------------------------------
