@@ -103,8 +103,8 @@ def test_one_line_names_the_finished_stages_that_are_also_rebuilt(tmp_path):
 
 # -- what a builder does with an artifact made from inputs since rebuilt -------------------------
 
-def _build(path, config, inputs):
-    builder = ArtifactBuilder(path, kind="knn_cache", config=config, inputs=inputs)
+def _build(path, config, inputs, kind="knn_cache", rebuild=False):
+    builder = ArtifactBuilder(path, kind=kind, config=config, inputs=inputs, rebuild=rebuild)
     if builder.is_complete():
         return None
     with builder:
@@ -114,21 +114,28 @@ def _build(path, config, inputs):
 
 def test_an_artifact_whose_inputs_were_rebuilt_is_built_again_saying_why(tmp_path, capsys):
     path = tmp_path / "knn_cache"
-    first = _build(path, {"split": "test"}, {"neighbors": "aaaa"})
-    assert _build(path, {"split": "test"}, {"neighbors": "aaaa"}) is None     # reused
-    again = _build(path, {"split": "test"}, {"neighbors": "bbbb"})
-    assert again["inputs"] == {"neighbors": "bbbb"} and again["fingerprint"] != first["fingerprint"]
+    old = _build(tmp_path / "neighbors", {"K": 8}, {}, kind="neighbors")["fingerprint"]
+    first = _build(path, {"split": "test"}, {"neighbors": old})
+    assert _build(path, {"split": "test"}, {"neighbors": old}) is None     # reused
+    new = _build(tmp_path / "neighbors", {"K": 16}, {}, kind="neighbors",
+                 rebuild=True)["fingerprint"]
+    again = _build(path, {"split": "test"}, {"neighbors": new})
+    assert again["inputs"] == {"neighbors": new} and again["fingerprint"] != first["fingerprint"]
     assert (f"[gnnlm] knn_cache {path}: rebuilding: it was made from inputs since rebuilt "
-            f"(neighbors: aaaa → bbbb)") in capsys.readouterr().err
+            f"(neighbors: {old} → {new})") in capsys.readouterr().err
 
 
-def test_its_own_settings_changed_are_still_refused_naming_the_cascading_rebuild(tmp_path):
+def test_its_own_settings_or_an_input_from_outside_changed_are_still_refused(tmp_path):
+    """Refused naming the ``--rebuild`` that cascades: other settings of its own, inputs of
+    other names, or an input that names no artifact (a base LM given by its weights)."""
     path = tmp_path / "knn_cache"
-    _build(path, {"split": "test"}, {"neighbors": "aaaa"})
+    upstream = _build(tmp_path / "neighbors", {"K": 8}, {}, kind="neighbors")["fingerprint"]
+    _build(path, {"split": "test"}, {"neighbors": upstream})
     before = (path / "manifest.json").read_text()
-    for config, inputs in (({"split": "valid"}, {"neighbors": "aaaa"}),
-                           ({"split": "valid"}, {"neighbors": "bbbb"}),   # both changed
-                           ({"split": "test"}, {"neighbors": "aaaa", "features": "cccc"})):
+    for config, inputs in (({"split": "valid"}, {"neighbors": upstream}),
+                           ({"split": "valid"}, {"neighbors": "0123456789abcdef"}),
+                           ({"split": "test"}, {"neighbors": "0123456789abcdef"}),
+                           ({"split": "test"}, {"neighbors": upstream, "features": upstream})):
         with pytest.raises(ArtifactError) as err:
             _build(path, config, inputs)
         assert str(err.value).startswith(f"{path} holds a knn_cache made with other settings")
@@ -139,12 +146,12 @@ def test_its_own_settings_changed_are_still_refused_naming_the_cascading_rebuild
 
 def test_a_flipped_byte_is_still_refused(tmp_path):
     path = tmp_path / "knn_cache"
-    _build(path, {"split": "test"}, {"neighbors": "aaaa"})
+    _build(path, {"split": "test"}, {})
     data = bytearray((path / "values.bin").read_bytes())
     data[0] ^= 1
     (path / "values.bin").write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="does not match the sha256 in its manifest"):
-        _build(path, {"split": "test"}, {"neighbors": "aaaa"})
+        _build(path, {"split": "test"}, {})
 
 
 # -- on a WikiText-2 slice, through a GNN-LM head ------------------------------------------------

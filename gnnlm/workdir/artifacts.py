@@ -177,6 +177,10 @@ def manifest_digest(manifest: dict) -> str:
 # → fingerprint): ``ArtifactBuilder`` pushes its log when it starts, ``read_manifest`` writes to
 # every log.
 _READ_LOGS: list[dict[str, str]] = []
+# The fingerprints of the artifacts this process has read or built: an input holding one names
+# an artifact of the work directory (rebuilt, it rebuilds what reads it: ``changed_inputs``), not
+# a setting or a model given from outside (another one is refused).
+_ARTIFACTS: set[str] = set()
 
 
 def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
@@ -208,6 +212,7 @@ def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
         raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}.")
     for log in _READ_LOGS:
         log[os.path.abspath(path)] = str(manifest.get("fingerprint"))
+    _ARTIFACTS.add(str(manifest.get("fingerprint")))
     return manifest
 
 
@@ -331,16 +336,19 @@ def refusal(path: str | os.PathLike, kind: Any, found: dict, asked: dict) -> Art
 
 def changed_inputs(found: dict, config: dict, inputs: dict) -> Optional[list[str]]:
     """``"name: found → now"`` for each input of an artifact recorded as ``found`` that differs
-    from ``inputs``, when nothing else differs: the same config and the same input names (an
-    upstream artifact rebuilt). None when the config or the names differ too (other settings,
-    or a manifest of other code), or when nothing does."""
+    from ``inputs``, when each of them is an artifact of the work directory, since rebuilt (its
+    new value is the fingerprint of an artifact this process read or built), and nothing else
+    differs: the same config, the same input names. None otherwise: other settings, another
+    model given from outside (a base LM's weights), a manifest of other code, or no change."""
     recorded = found.get("inputs") or {}
     if (canonical_json(found.get("config")) != canonical_json(config)
             or set(recorded) != set(inputs)):
         return None
-    changed = [f"{name}: {recorded[name]} → {inputs[name]}" for name in sorted(inputs)
-               if canonical_json(recorded[name]) != canonical_json(inputs[name])]
-    return changed or None
+    names = [name for name in sorted(inputs)
+             if canonical_json(recorded[name]) != canonical_json(inputs[name])]
+    if not names or any(str(inputs[name]) not in _ARTIFACTS for name in names):
+        return None
+    return [f"{name}: {recorded[name]} → {inputs[name]}" for name in names]
 
 
 def check_inputs(manifest: dict, path: str | os.PathLike, expected: dict[str, Any],
@@ -418,10 +426,11 @@ class ArtifactBuilder:
 
     def outdated(self, found: dict) -> Optional[str]:
         """Why the complete artifact recorded as ``found`` must be built again although this
-        run asks for its settings: it was made from artifacts since rebuilt (its ``reads``), or
-        from inputs that differ (its ``inputs``, under the same config and input names); None
-        when it can be reused. Raise if its own settings differ: those are refused, never
-        discarded, so a trained part is retrained only when what it was trained on changed."""
+        run asks for its settings: it was made from artifacts since rebuilt (its ``reads``, or
+        its ``inputs`` where they name artifacts: ``changed_inputs``); None when it can be
+        reused. Raise if its own settings differ, or an input from outside the work directory
+        (a base LM given by its weights): those are refused, never discarded, so a trained part
+        is retrained only when what it was trained on was rebuilt."""
         if found.get("fingerprint") == self.fingerprint:
             stale = stale_reads(self.path, found)
             return f"made from artifacts since rebuilt ({'; '.join(stale)})" if stale else None
@@ -575,6 +584,7 @@ class ArtifactBuilder:
         }
         manifest[MANIFEST_SHA256] = manifest_digest(manifest)
         write_json_atomic(self.partial / MANIFEST, manifest)
+        _ARTIFACTS.add(self.fingerprint)
         (self.partial / PROGRESS).unlink(missing_ok=True)
         for rank_file in self.partial.glob(RANK_PROGRESS.format(rank="*") + "*"):
             rank_file.unlink(missing_ok=True)  # the ranks' own files (and a torn .tmp)
