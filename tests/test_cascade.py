@@ -91,12 +91,15 @@ def test_one_line_names_the_finished_stages_that_are_also_rebuilt(tmp_path):
     (tmp_path / "models" / "spalm").mkdir()       # no manifest: not finished, built anyway
     cfg = pipeline("neighbors", extra=(f"--workdir={tmp_path}",))
     assert cascade_line(cfg, wd) == (
-        "--rebuild=[neighbors] also rebuilds knn_cache, gnn, learned_wds[n=3], ablations: they "
-        "read neighbors, directly or through one another; gnn, learned_wds[n=3] are retrained, "
-        "as their weights were fit to what is rebuilt.")
+        "--rebuild=[neighbors] also rebuilds knn_cache, gnn, learned_wds[n=3], ablations, which "
+        "read neighbors (directly or through another stage); gnn, learned_wds[n=3] are "
+        "retrained, as their weights were fit to what is rebuilt.")
     assert cascade_line(pipeline("index", "knn_cache"), wd).startswith(  # knn_cache: named
-        "--rebuild=[index,knn_cache] also rebuilds neighbors, gnn, learned_wds[n=3], ablations: "
-        "they read index or knn_cache, directly")
+        "--rebuild=[index,knn_cache] also rebuilds neighbors, gnn, learned_wds[n=3], ablations, "
+        "which read index or knn_cache (directly")
+    assert cascade_line(pipeline("pq", "ablations"), wd) == (   # pq: not finished
+        "--rebuild=[pq,ablations] also rebuilds gnn, which reads pq (directly or through another "
+        "stage); gnn is retrained, as its weights were fit to what is rebuilt.")
     for nothing_more in ("ablations", "gnn", "all"):
         assert cascade_line(pipeline(nothing_more), wd) is None
 
@@ -207,8 +210,8 @@ def test_rebuilding_the_neighbours_rebuilds_the_caches_and_retrains_the_head_in_
     before = manifests(work)
     capsys.readouterr()
     out, err = rerun(args, work, capsys, "--rebuild=[neighbors]")
-    assert ("--rebuild=[neighbors] also rebuilds knn_cache, gnn: they read neighbors, directly "
-            "or through one another; gnn is retrained, as its weights were fit to what is "
+    assert ("--rebuild=[neighbors] also rebuilds knn_cache, gnn, which read neighbors (directly "
+            "or through another stage); gnn is retrained, as its weights were fit to what is "
             "rebuilt.") in out.splitlines()
     after = manifests(work)
     for name in RETRIEVAL:  # built again (the same settings: the same fingerprints)
@@ -234,7 +237,7 @@ def test_a_changed_neighbors_k_is_refused_once_then_cascades_in_one_run(built, t
     assert manifests(work) == before
 
     out, _ = rerun(args, work, capsys, "--neighbors.K=24", "--rebuild=[neighbors]")
-    assert out.startswith("--rebuild=[neighbors] also rebuilds knn_cache, gnn: ")
+    assert out.startswith("--rebuild=[neighbors] also rebuilds knn_cache, gnn, which read ")
     after = manifests(work)
     neighbours = {s: after[f"neighbors/final-cos/{s}"] for s in ("train", "valid", "test")}
     assert all(m["config"]["K"] == 24 for m in neighbours.values())

@@ -418,8 +418,9 @@ def test_the_pipeline_retrains_the_gnn_in_the_run_that_rebuilds_its_pq_codes_oth
     out, err = capsys.readouterr()
     after, gnn = read_manifest(wd.pq("final")), read_manifest(wd.model("gnn"))
     assert before["fingerprint"] != after["fingerprint"] and after["config"]["m"] == 8
-    assert ("--rebuild=[pq] also rebuilds gnn: they read pq, directly or through one another; "
-            "gnn is retrained, as its weights were fit to what is rebuilt.") in out.splitlines()
+    assert ("--rebuild=[pq] also rebuilds gnn, which reads pq (directly or through another "
+            "stage); gnn is retrained, as its weights were fit to what is rebuilt."
+            ) in out.splitlines()
     assert gnn["reads"][os.path.relpath(wd.pq("final"), wd.model("gnn"))] == after["fingerprint"]
     assert gnn["created"] > gnn_before["created"]
     for other in (workdir / "models").iterdir():

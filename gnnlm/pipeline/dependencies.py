@@ -127,9 +127,11 @@ def cascade_line(cfg: PipelineConfig, workdir: Workdir) -> Optional[str]:
             and finished(workdir, stage)]
     if not also:
         return None
+    read = [s for s in graph if s in named and downstream(graph, {s}) & set(also)]
     trained = [stage for stage in also if stage in TRAINED or stage in cfg.heads()]
-    line = (f"--rebuild=[{','.join(cfg.rebuild)}] also rebuilds {', '.join(also)}: they read "
-            f"{' or '.join(s for s in graph if s in named)}, directly or through one another")
+    line = (f"--rebuild=[{','.join(cfg.rebuild)}] also rebuilds {', '.join(also)}, which "
+            f"read{'s' if len(also) == 1 else ''} {' or '.join(read)} (directly or through "
+            f"another stage)")
     if trained:
         line += (f"; {', '.join(trained)} {'is' if len(trained) == 1 else 'are'} retrained, as "
                  f"{'its' if len(trained) == 1 else 'their'} weights were fit to what is rebuilt")
