@@ -82,6 +82,14 @@ def test_the_graph_names_every_stage_rebuild_may_name():
     assert all(set(reads) <= set(graph) for reads in graph.values())
 
 
+def test_the_graph_covers_what_each_head_records_reading():
+    from test_identity import HEAD_READS  # checked there against the test pipeline's manifests
+
+    graph = stage_graph(pipeline())
+    for row, reads in HEAD_READS.items():
+        assert {relative.split("/")[0] for relative in reads} <= set(graph[row]), row
+
+
 def test_one_line_names_the_finished_stages_that_are_also_rebuilt(tmp_path):
     wd = Workdir(tmp_path)
     for folder in ("neighbors/final-cos/train", "knn_cache/final-cos-faiss/test", "models/gnn",

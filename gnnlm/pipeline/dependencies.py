@@ -4,15 +4,17 @@ An artifact is made from the artifacts it reads, so rebuilding one makes every a
 from it describe inputs the work directory no longer holds. ``--rebuild=[X]`` therefore rebuilds
 X and every stage that reads X, directly or through another stage (``rebuild_set``), and the run
 says which in one line before any work (``cascade_line``). A trained part (the base LM, a head,
-the ablations' memory LM) is in that set only through what it reads: its weights were fit to
-those inputs, so they are retrained with them, and the line names them as retrained.
+the ablations' memory LM) that ``--rebuild`` does not name is in that set only through what it
+reads: its weights were fit to those inputs, so it is retrained with them, and the line names it
+as retrained.
 
 The graph states what the stages' builders read (``gnnlm.pipeline.stages``): the features read
 the tokens and the base LM; the index, the train features; the neighbours, the index and the
 features; the kNN caches, the neighbours and the features; the PQ codes, the train features;
 every head, what ``head_inputs`` names (features, train neighbours) and the token streams its data
 module may open, and GNN-LM the PQ codes when its nodes read them; the ablations, the retrieval
-artifacts and the memory LM. A test compares it with what each head's manifest records reading.
+artifacts and the memory LM. A test checks it against what each head of the test pipeline
+must record reading (``tests/test_identity.py``, checked there on that pipeline's manifests).
 """
 from __future__ import annotations
 
