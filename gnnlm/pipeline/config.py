@@ -321,7 +321,7 @@ class PipelineConfig:
         spalm_xl_variant: spalm_xl with options the paper does not have, in a row of its own
         learned_wds: learned W_ds heads (Xu et al.): one list of `gnnlm fit` YAMLs per row
         ablations: the Xu et al. ablation table (off unless `enabled`)
-        rebuild: stages to build again, with every stage reading them, e.g. [neighbors] (true: all)
+        rebuild: stages to build again, with every stage reading them, e.g. [pq] (true: all)
         copy_report_to: a folder to copy reports/<name>/ into when the run ends (made if absent)
     """
     name: str = "wikitext2"
