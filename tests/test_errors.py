@@ -275,7 +275,8 @@ def test_a_refusal_names_the_fields_that_differ(caches, capsys):
         build_neighbors(caches, "valid", "final", "cos", NeighborsConfig(K=64))
     assert "config.K: 128 → 64" in str(refused.value)
     assert str(refused.value).endswith("Use another work directory, delete the folder, or "
-                                       "rerun with --rebuild.")
+                                       "rerun with --rebuild=[neighbors], which rebuilds it and "
+                                       "every stage that reads it.")
 
 
 def test_debug_shows_the_traceback(capsys):

@@ -1,16 +1,18 @@
 """Artifacts are identified by what makes their contents: a trained part by the merged values of
 its YAMLs (not their text) and by every artifact its data module and model read (on the test
-pipeline's work directory: a head is refused once any of them is rebuilt with other settings), a
-Hugging Face tokenizer by its vocabulary and rules (not its path); work directories recorded the
-older way are reused; a refusal stays one short line."""
+pipeline's work directory: a head is never reused once any of them is rebuilt with other
+settings, but retrained), a Hugging Face tokenizer by its vocabulary and rules (not its path);
+work directories recorded the older way are reused; a refusal stays one short line and names
+the ``--rebuild`` that remakes the artifact with what reads it."""
 from __future__ import annotations
 
 import os
 import shutil
+from typing import Optional
 
 import numpy as np
 import pytest
-from fakes import as_older_code_wrote_it, error_of, write_corpus
+from fakes import as_older_code_wrote_it, write_corpus
 from families import FAMILIES, save_family, train_bpe
 
 from gnnlm.workdir.artifacts import (
@@ -18,7 +20,6 @@ from gnnlm.workdir.artifacts import (
     ArtifactError,
     fingerprint,
     read_manifest,
-    rebuild_hint,
 )
 from gnnlm.workdir.layout import Workdir
 
@@ -145,7 +146,8 @@ def test_a_changed_value_is_refused_naming_that_field(work):
     assert str(err.value) == (
         f"{wd.model('lm')} holds a trained_model made with other settings than this run asks for: "
         f"config.values.model.init_args.d_ff: 16 → 32. Use another work directory, delete the "
-        f"folder, or rerun with --rebuild.")
+        f"folder, or rerun with --rebuild=[lm], which rebuilds it and every stage that reads "
+        f"it.")
     assert (wd.model("lm") / "manifest.json").read_text() == before
     assert not wd.model("lm").with_name("lm.partial").exists()
 
@@ -174,7 +176,8 @@ def test_a_trained_part_recorded_with_its_yaml_texts_is_reused_by_value(work, ca
     assert str(err.value) == (
         f"{wd.model('lm')} holds a trained_model made with other settings than this run asks for: "
         f"config.values.model.init_args.lr: (none) → 0.01. Use another work directory, delete "
-        f"the folder, or rerun with --rebuild.")
+        f"the folder, or rerun with --rebuild=[lm], which rebuilds it and every stage that "
+        f"reads it.")
     assert read_manifest(wd.model("lm")) == old
 
 
@@ -195,7 +198,7 @@ def test_a_long_difference_is_refused_in_one_short_line(tmp_path):
     assert message[len(head):] == (
         'config.k00: 0 → 1; config.k01: 1 → 2; config.k02: 2 → 3; config.k03: 3 → 4; '
         'config.k04: 4 → 5; and 8 more. Use another work directory, delete the folder, or '
-        'rerun with --rebuild.')
+        'rerun with --rebuild=[a], which rebuilds it and every stage that reads it.')
 
     with pytest.raises(ArtifactError) as err:
         ArtifactBuilder(tmp_path / "a", kind="trained_model",
@@ -204,7 +207,7 @@ def test_a_long_difference_is_refused_in_one_short_line(tmp_path):
     old, new = (t.replace("\n", "\\n")[:58] for t in (text, asked["yaml"][0]))
     assert str(err.value)[len(head):] == (
         f'config.yaml.0: "{old}… → "{new}…. Use another work directory, delete the folder, '
-        f'or rerun with --rebuild.')
+        f'or rerun with --rebuild=[a], which rebuilds it and every stage that reads it.')
 
 
 # -- a Hugging Face model's folder, copied elsewhere --------------------------------------------
@@ -244,13 +247,22 @@ def test_a_copied_model_folder_rebuilds_nothing(hf_corpus, tmp_path, capsys):
     assert capsys.readouterr().err.count("skipped (complete)") == 5  # tokens, embedding, 3 splits
     assert built["tokens"]["tokenizer_path"] == str(folder)   # information, not identity
 
-    # tokens rebuilt from the copy: the same fingerprint, so the features stay theirs
-    rebuilt = _first_stages(copy, hf_corpus, tmp_path / "work", "--rebuild=[tokens]")
+    # tokens built again from the copy (their folder deleted): the same fingerprint, so the
+    # features stay theirs
+    shutil.rmtree(tmp_path / "work" / "tokens")
+    rebuilt = _first_stages(copy, hf_corpus, tmp_path / "work")
     assert rebuilt["tokens"]["fingerprint"] == built["tokens"]["fingerprint"]
     assert rebuilt["tokens"]["tokenizer_path"] == str(copy)
     assert {s: rebuilt[s] for s in ("train", "valid", "test")} == {
         s: built[s] for s in ("train", "valid", "test")}
     assert _first_stages(folder, hf_corpus, tmp_path / "work")["valid"] == built["valid"]
+    # --rebuild=[tokens] also rebuilds the features, which read them: the same fingerprints
+    capsys.readouterr()
+    again = _first_stages(copy, hf_corpus, tmp_path / "work", "--rebuild=[tokens]")
+    err = capsys.readouterr().err
+    for split in ("train", "valid", "test"):
+        assert f"features {tmp_path / 'work' / 'features' / split}: built in" in err
+        assert again[split]["fingerprint"] == built[split]["fingerprint"]
 
 
 def test_tokens_recorded_with_the_tokenizer_s_path_are_reused_from_a_copy(hf_corpus, tmp_path):
@@ -277,7 +289,8 @@ def test_tokens_recorded_with_the_tokenizer_s_path_are_reused_from_a_copy(hf_cor
     assert str(err.value) == (
         f"{out} holds a tokens made with other settings than this run asks for: "
         f"config.tokenizer.bos_each_window: false → true; config.tokenizer.bos_id: 0 → {bos}. "
-        f"Use another work directory, delete the folder, or rerun with --rebuild.")
+        f"Use another work directory, delete the folder, or rerun with --rebuild=[tokens], "
+        f"which rebuilds it and every stage that reads it.")
     assert read_manifest(out) == old
 
 
@@ -302,21 +315,22 @@ def head_reads(workdir, name: str) -> set[str]:
             for relative in manifest["reads"]}
 
 
-def view_with_own_copy(workdir, root, relative: str):
+def view_with_own_copy(workdir, root, *relatives: str):
     """``root`` as the work directory: every entry a link to ``workdir``'s, except the folders
-    on the way to ``relative``, and ``relative`` itself, a copy (so that it can be rebuilt)."""
-    def mirror(source, target, rest):
+    on the way to each of ``relatives``, and each of them itself, a copy (so that it can be
+    rebuilt without touching ``workdir``)."""
+    def mirror(source, target, paths: list[list[str]]):
         target.mkdir(parents=True)
         for entry in source.iterdir():
-            if rest and entry.name == rest[0]:
-                if len(rest) == 1:
-                    shutil.copytree(entry, target / entry.name, symlinks=True)
-                else:
-                    mirror(entry, target / entry.name, rest[1:])
+            inner = [rest[1:] for rest in paths if rest[0] == entry.name]
+            if [] in inner:
+                shutil.copytree(entry, target / entry.name, symlinks=True)
+            elif inner:
+                mirror(entry, target / entry.name, inner)
             elif entry.name != ".lock":
                 (target / entry.name).symlink_to(entry)
 
-    mirror(workdir, root, relative.split("/"))
+    mirror(workdir, root, [relative.split("/") for relative in relatives])
     return Workdir(root)
 
 
@@ -345,12 +359,13 @@ def rebuild_otherwise(wd: Workdir, relative: str) -> None:
         raise AssertionError(relative)
 
 
-def reused(wd: Workdir, name: str) -> bool:
-    """What the pipeline does with a trained head it finds (``fit_with_cli``): reuse it, or
-    raise ``ArtifactError`` saying why not."""
+def outdated(wd: Workdir, name: str) -> Optional[str]:
+    """What the pipeline does with a trained head it finds (``fit_with_cli``), without changing
+    the work directory (whose folders may be links to the shared one): None when it reuses it,
+    else why it retrains it."""
     manifest = read_manifest(wd.model(name))
     return ArtifactBuilder(wd.model(name), kind="trained_model", config=manifest["config"],
-                           inputs=manifest["inputs"]).is_complete()
+                           inputs=manifest["inputs"]).outdated(manifest)
 
 
 @pytest.mark.integration
@@ -358,13 +373,13 @@ def test_every_head_records_what_its_data_module_and_model_read(workdir):
     for name, expected in HEAD_READS.items():
         missing = expected - head_reads(workdir, name)
         assert not missing, f"{name} did not record reading {sorted(missing)}"
-        assert reused(Workdir(workdir), name)
+        assert outdated(Workdir(workdir), name) is None
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("relative", ["tokens", "features/valid", "features/output_embedding",
                                       "neighbors/final-cos/test", "pq/final"])
-def test_a_head_is_never_reused_once_an_artifact_it_read_is_rebuilt_otherwise(
+def test_a_head_is_retrained_once_an_artifact_it_read_is_rebuilt_otherwise(
         workdir, tmp_path, relative):
     wd = view_with_own_copy(workdir, tmp_path / "w", relative)
     before = read_manifest(wd.root / relative)["fingerprint"]
@@ -377,30 +392,37 @@ def test_a_head_is_never_reused_once_an_artifact_it_read_is_rebuilt_otherwise(
     assert readers, f"no head read {relative}"
     for name in heads:
         if name in readers:
-            with pytest.raises(ArtifactError) as err:
-                reused(wd, name)
-            assert f"({wd.root / relative}: fingerprint {before} → {after})" in str(err.value)
-            # (learned_wds_n3 is rebuilt by --rebuild=[learned_wds[n=3]])
-            assert str(err.value).endswith(rebuild_hint(wd.model(name), "trained_model"))
+            assert outdated(wd, name) == (f"made from artifacts since rebuilt ("
+                                          f"{wd.root / relative}: fingerprint {before} → "
+                                          f"{after})"), name
         else:
-            assert reused(wd, name), name
+            assert outdated(wd, name) is None, name
 
 
 @pytest.mark.integration
-def test_the_pipeline_refuses_the_gnn_after_its_pq_codes_are_rebuilt_otherwise(
+def test_the_pipeline_retrains_the_gnn_in_the_run_that_rebuilds_its_pq_codes_otherwise(
         workdir, tmp_path, capsys, in_repo):
-    """The case found: ``--rebuild=[pq]`` with other PQ settings, then the GNN head was
-    "skipped (complete)" and scored codes the work directory no longer held."""
+    """The case found: ``--rebuild=[pq]`` with other PQ settings, then the GNN head was "skipped
+    (complete)" and scored codes the work directory no longer held (later: refused, asking for
+    another run). The same run retrains it, and only it, and says so first."""
     from conftest import PIPELINE
 
+    from gnnlm.cli import main
+
     root = tmp_path / "w"
-    wd = view_with_own_copy(workdir, root, "pq/final")
+    wd = view_with_own_copy(workdir, root, "pq/final", "models/gnn", "logs/gnn")
     (root / "reports").unlink()
-    before = read_manifest(wd.pq("final"))["fingerprint"]
-    line = error_of(["pipeline", *PIPELINE, f"--workdir={root}", "--rebuild=[pq]",
-                     "--pq.m=8"], capsys)
-    after = read_manifest(wd.pq("final"))["fingerprint"]
-    assert before != after and line == (
-        f"gnnlm pipeline: error: {wd.model('gnn')} was made from artifacts since rebuilt with "
-        f"other settings ({wd.pq('final')}: fingerprint {before} → {after}). Rerun with "
-        f"--rebuild=[gnn] or delete {wd.model('gnn')}.")
+    before, gnn_before = read_manifest(wd.pq("final")), read_manifest(wd.model("gnn"))
+    capsys.readouterr()
+    main(["pipeline", *PIPELINE, f"--workdir={root}", "--rebuild=[pq]", "--pq.m=8"])
+    out, err = capsys.readouterr()
+    after, gnn = read_manifest(wd.pq("final")), read_manifest(wd.model("gnn"))
+    assert before["fingerprint"] != after["fingerprint"] and after["config"]["m"] == 8
+    assert ("--rebuild=[pq] also rebuilds gnn, which reads pq (directly or through another "
+            "stage); gnn is retrained, as its weights were fit to what is rebuilt."
+            ) in out.splitlines()
+    assert gnn["reads"][os.path.relpath(wd.pq("final"), wd.model("gnn"))] == after["fingerprint"]
+    assert gnn["created"] > gnn_before["created"]
+    for other in (workdir / "models").iterdir():
+        if other.name != "gnn" and (other / "manifest.json").is_file():
+            assert f"{wd.model(other.name)}: skipped (complete)" in err, other.name

@@ -14,7 +14,7 @@ from fakes import write_features
 from gnnlm.retrieval.index import IndexConfig, auto_factory, build_index, pq_subquantizers
 from gnnlm.retrieval.search import Searcher, exact_search, recall_at
 from gnnlm.retrieval.tuning import measured_recall
-from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import Workdir
 
 
@@ -178,7 +178,8 @@ def test_bad_settings_are_refused(tmp_path):
         build_index(Workdir(tmp_path / "empty"), "final", "cos")
 
 
-def test_complete_index_is_skipped_and_other_features_refused(tmp_path):
+def test_complete_index_is_skipped_other_settings_refused_and_rebuilt_features_reindexed(
+        tmp_path):
     rng = np.random.default_rng(6)
     x = rng.standard_normal((300, 16)).astype(np.float32)
     wd = train_features(tmp_path, x)
@@ -202,9 +203,10 @@ def test_complete_index_is_skipped_and_other_features_refused(tmp_path):
     replace_train(x + 1, lm=("other-lm", "weights-b"))
     with pytest.raises(ArtifactError, match=r"base_lm_fingerprint: \"weights-a\" → \"weights-b\""):
         build_index(wd, "final", "cos", cfg)
-    replace_train(x + 2)  # same base LM, other features
-    with pytest.raises(ArtifactError, match=r"inputs\.features: .* → "):
-        build_index(wd, "final", "cos", cfg)
+    replace_train(x + 2)  # same base LM, features rebuilt: the index is built again over them
+    again = build_index(wd, "final", "cos", cfg)
+    assert again["inputs"]["features"] == read_manifest(wd.features("train"))["fingerprint"]
+    assert again["fingerprint"] != first["fingerprint"]
     replace_train(x + 1, lm=("other-lm", "weights-b"))
     rebuilt = build_index(wd, "final", "cos", cfg, rebuild=True)
     assert rebuilt["base_lm"]["name"] == "other-lm"

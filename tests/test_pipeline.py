@@ -344,7 +344,7 @@ def test_rerun_skips_every_stage_and_sweep_and_explain_work(run_dir, workdir, re
 def test_a_moved_work_directory_is_reused_and_rebuild_rebuilds_what_it_names(run_dir, workdir):
     """Manifests identify inputs by content and keep paths relative: a work directory moved and
     named by another (relative) path is complete as it is; ``--rebuild=[...]`` rebuilds exactly
-    the stages it names."""
+    the stages it names and those that read them (the ablations read the kNN caches)."""
     moved = run_dir / "elsewhere" / "moved"
     shutil.copytree(workdir, moved, symlinks=True)
     manifests = lambda: {p.relative_to(moved): p.stat().st_mtime  # noqa: E731
@@ -357,7 +357,7 @@ def test_a_moved_work_directory_is_reused_and_rebuild_rebuilds_what_it_names(run
               run_dir)
     after = manifests()
     changed = {p for p in before if after[p] != before[p]}
-    assert changed and all(p.parts[0] == "knn_cache" for p in changed), changed
+    assert {p.parts[0] for p in changed} == {"knn_cache", "ablations"}, changed
     shutil.rmtree(moved)
 
 

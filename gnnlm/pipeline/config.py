@@ -336,7 +336,7 @@ class PipelineConfig:
         spalm_xl_variant: spalm_xl with options the paper does not have, in a row of its own
         learned_wds: learned W_ds heads (Xu et al.): one list of `gnnlm fit` YAMLs per row
         ablations: the Xu et al. ablation table (off unless `enabled`)
-        rebuild: stages to build again although complete, e.g. [index,neighbors] (true: all)
+        rebuild: stages to build again, with every stage reading them, e.g. [pq] (true: all)
         copy_report_to: a folder to copy reports/<name>/ into when the run ends (made if absent)
     """
     name: str = ""
@@ -364,13 +364,14 @@ class PipelineConfig:
     copy_report_to: Optional[str] = None
 
     def rebuilds(self, stage: str) -> bool:
-        """Whether ``--rebuild`` names this stage (``true`` or ``all``: every stage). A head's
-        stage is its row name (``gnn``, ``spalm``, ...) or ``heads`` for all of them."""
+        """Whether this run rebuilds this stage: ``--rebuild`` names it (``true`` or ``all``:
+        every stage; a head by its row name, ``gnn``, ``spalm``, ..., or ``heads`` for all of
+        them) or it reads one that is rebuilt (``gnnlm.pipeline.dependencies``)."""
         if isinstance(self.rebuild, bool):
             return self.rebuild
-        heads = set(self.heads()) | {"base_lm_xl"}
-        return bool({"all", stage} & set(self.rebuild)) or (
-            stage in heads and "heads" in self.rebuild)
+        from gnnlm.pipeline.dependencies import rebuild_set
+
+        return stage in rebuild_set(self)
 
     def heads(self) -> dict[str, list[str]]:
         """Trained heads by report row, in table order (``gnnlm.pipeline.rows.HEAD_FIELDS``):

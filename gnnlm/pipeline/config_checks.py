@@ -48,7 +48,8 @@ from gnnlm.workdir.layout import check_workdir
 if TYPE_CHECKING:
     from gnnlm.pipeline.config import CorpusConfig, PipelineConfig
 
-# the stages ``rebuild`` may name, besides the heads' rows (``PipelineConfig.rebuilds``)
+# the stages ``rebuild`` may name, besides the heads' rows and ``base_lm_xl``
+# (``gnnlm.pipeline.dependencies``, which also rebuilds the stages reading them)
 STAGES = ("tokens", "base_lm", "features", "index", "neighbors", "knn_cache", "pq", "heads",
           "ablations")
 

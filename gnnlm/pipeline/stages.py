@@ -29,7 +29,8 @@ from gnnlm.pipeline.ablations import (
     run_ablations,
     scores_label,
 )
-from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, merged_yaml, yaml_list
+from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, yaml_list
+from gnnlm.pipeline.dependencies import cascade_line, gnn_reads_pq
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
 from gnnlm.pipeline.stage_times import StageTimes, timed
@@ -232,8 +233,7 @@ def stage_heads(cfg: PipelineConfig, workdir: Workdir) -> tuple[dict[str, dict],
     reads them (built first)."""
     heads, pq = {}, None
     for row, configs in cfg.heads().items():
-        data = (merged_yaml(configs).get("data") or {}).get("init_args") or {}
-        if row == rows.GNN and data.get("node_features", "pq") == "pq":
+        if row == rows.GNN and gnn_reads_pq(configs):
             with timed("pq"):
                 pq = build_pq(workdir, cfg.knn.primary, cfg.pq, rebuild=cfg.rebuilds("pq"))
         with timed(row):  # training and scoring (the manifest has each: train/predict_seconds)
@@ -283,6 +283,9 @@ def run(cfg: PipelineConfig) -> dict:
     workdir.root.mkdir(parents=True, exist_ok=True)
     # one run per work directory, released when the run ends however it ends (a stop signal)
     with lock_workdir(workdir.root, "pipeline"):
+        cascade = cascade_line(cfg, workdir)
+        if cascade:  # before any work: what --rebuild discards besides what it names
+            print(cascade, flush=True)
         times = StageTimes()
         with times.running():
             report = run_stages(cfg, workdir)

@@ -18,7 +18,8 @@ metric, a table) cannot be edited unseen: every read checks it.
 A manifest also says what the artifact was made from and by: ``reads``, the fingerprint of every
 other artifact whose manifest was read while it was built (inside ``with builder``; recorded by
 ``read_manifest`` itself, so whatever a trained part's data module and model open is in it),
-checked again whenever the artifact is reused and by ``gnnlm verify``; and ``made_by``, the code
+checked again whenever the artifact is reused (one made from artifacts since rebuilt is built
+again) and by ``gnnlm verify``; and ``made_by``, the code
 (``gnnlm.utils.provenance``). What a stage reads before it builds, to name its inputs, is in its
 ``inputs`` (part of its fingerprint) instead.
 """
@@ -107,8 +108,18 @@ def rebuild_hint(path: str | os.PathLike, kind: Optional[str]) -> str:
     path = Path(path)
     if kind == "output_embedding":  # written by the features stage, but never rebuilt by it
         return f"Delete {path} and rerun: the features stage writes it again."
-    stage = re.sub(r"_n(\d+)$", r"[n=\1]", path.name) if kind == "trained_model" else kind
-    return f"Rerun with --rebuild=[{stage}] or delete {path}."
+    return f"Rerun with {rebuild_flag(path, kind)} or delete {path}."
+
+
+def rebuild_flag(path: str | os.PathLike, kind: Optional[str]) -> str:
+    """The ``--rebuild`` of the pipeline stage that builds the artifact at ``path`` (a trained
+    part by its row: ``models/learned_wds_n3`` → ``learned_wds[n=3]``); plain ``--rebuild``
+    when no stage names it."""
+    if kind is None or kind == "output_embedding":
+        return "--rebuild"
+    stage = (re.sub(r"_n(\d+)$", r"[n=\1]", Path(path).name) if kind == "trained_model"
+             else kind)
+    return f"--rebuild=[{stage}]"
 
 
 def changed_hint(path: str | os.PathLike, kind: Optional[str]) -> str:
@@ -166,6 +177,10 @@ def manifest_digest(manifest: dict) -> str:
 # → fingerprint): ``ArtifactBuilder`` pushes its log when it starts, ``read_manifest`` writes to
 # every log.
 _READ_LOGS: list[dict[str, str]] = []
+# The fingerprints of the artifacts this process has read or built: an input holding one names
+# an artifact of the work directory (rebuilt, it rebuilds what reads it: ``changed_inputs``), not
+# a setting or a model given from outside (another one is refused).
+_ARTIFACTS: set[str] = set()
 
 
 def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
@@ -197,6 +212,7 @@ def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
         raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}.")
     for log in _READ_LOGS:
         log[os.path.abspath(path)] = str(manifest.get("fingerprint"))
+    _ARTIFACTS.add(str(manifest.get("fingerprint")))
     return manifest
 
 
@@ -308,12 +324,31 @@ def differences(found: dict, asked: dict) -> list[str]:
 
 def refusal(path: str | os.PathLike, kind: Any, found: dict, asked: dict) -> ArtifactError:
     """The error for an artifact at ``path`` recorded as ``found`` ({config, inputs}) where this
-    run asks for ``asked``: one line naming the fields that differ."""
+    run asks for ``asked``: one line naming the fields that differ, and the ``--rebuild`` that
+    remakes it with every stage that reads it (``gnnlm.pipeline.dependencies``)."""
     changed = differences(found, asked)
+    flag = rebuild_flag(path, kind if isinstance(kind, str) else None)
     return ArtifactError(
         f"{path} holds a {kind} made with other settings than this run asks for: "
         f"{'; '.join(changed) or 'the fingerprints differ'}. Use another work directory, delete "
-        f"the folder, or rerun with --rebuild.")
+        f"the folder, or rerun with {flag}, which rebuilds it and every stage that reads it.")
+
+
+def changed_inputs(found: dict, config: dict, inputs: dict) -> Optional[list[str]]:
+    """``"name: found → now"`` for each input of an artifact recorded as ``found`` that differs
+    from ``inputs``, when each of them is an artifact of the work directory, since rebuilt (its
+    new value is the fingerprint of an artifact this process read or built), and nothing else
+    differs: the same config, the same input names. None otherwise: other settings, another
+    model given from outside (a base LM's weights), a manifest of other code, or no change."""
+    recorded = found.get("inputs") or {}
+    if (canonical_json(found.get("config")) != canonical_json(config)
+            or set(recorded) != set(inputs)):
+        return None
+    names = [name for name in sorted(inputs)
+             if canonical_json(recorded[name]) != canonical_json(inputs[name])]
+    if not names or any(str(inputs[name]) not in _ARTIFACTS for name in names):
+        return None
+    return [f"{name}: {recorded[name]} → {inputs[name]}" for name in names]
 
 
 def check_inputs(manifest: dict, path: str | os.PathLike, expected: dict[str, Any],
@@ -366,24 +401,45 @@ class ArtifactBuilder:
 
     # -- checks -----------------------------------------------------------------------------
     def is_complete(self) -> bool:
-        """True if a complete artifact with this fingerprint exists; raise if another does."""
+        """True if a complete artifact with this fingerprint exists, made from what the work
+        directory holds now; raise if one with other settings does. One made from inputs since
+        rebuilt (``outdated``) is removed to be built again, and a line says why."""
         if not (self.path / MANIFEST).is_file():
             if self.path.exists() and any(self.path.iterdir()):
                 raise ArtifactError(f"{self.path} exists but has no manifest; remove it or "
                                     f"choose another work directory.")
             return False
         found = read_manifest(self.path)
-        if found.get("fingerprint") == self.fingerprint and not self.rebuild:
-            self.check_files(found)
-            self.check_reads(found)
-            say(f"[gnnlm] {self.kind} {self.path}: skipped (complete)")
-            return True
         if self.rebuild:
             shutil.rmtree(self.path)
             return False
-        raise refusal(self.path, found.get("kind"),
-                      {"config": found.get("config"), "inputs": found.get("inputs")},
-                      {"config": self.config, "inputs": self.inputs})
+        why = self.outdated(found)
+        if why is None:
+            self.check_files(found)
+            say(f"[gnnlm] {self.kind} {self.path}: skipped (complete)")
+            return True
+        weights = (", its weights fit to inputs the work directory no longer holds"
+                   if self.kind == "trained_model" else "")
+        say(f"[gnnlm] {self.kind} {self.path}: rebuilding: it was {why}{weights}")
+        shutil.rmtree(self.path)
+        return False
+
+    def outdated(self, found: dict) -> Optional[str]:
+        """Why the complete artifact recorded as ``found`` must be built again although this
+        run asks for its settings: it was made from artifacts since rebuilt (its ``reads``, or
+        its ``inputs`` where they name artifacts: ``changed_inputs``); None when it can be
+        reused. Raise if its own settings differ, or an input from outside the work directory
+        (a base LM given by its weights): those are refused, never discarded, so a trained part
+        is retrained only when what it was trained on was rebuilt."""
+        if found.get("fingerprint") == self.fingerprint:
+            stale = stale_reads(self.path, found)
+            return f"made from artifacts since rebuilt ({'; '.join(stale)})" if stale else None
+        changed = changed_inputs(found, self.config, self.inputs)
+        if changed is None:
+            raise refusal(self.path, found.get("kind"),
+                          {"config": found.get("config"), "inputs": found.get("inputs")},
+                          {"config": self.config, "inputs": self.inputs})
+        return f"made from inputs since rebuilt ({'; '.join(changed)})"
 
     def check_files(self, manifest: dict) -> None:
         """Refuse to reuse an artifact whose files changed after it was built: each file's size,
@@ -394,16 +450,6 @@ class ArtifactBuilder:
             raise ArtifactError(f"{'; '.join(problems)}: the {self.kind.replace('_', ' ')} "
                                 f"changed after it was built (a disk fault, a copy cut short, "
                                 f"or an edit). "
-                                f"{rebuild_hint(self.path, self.kind)}")
-
-    def check_reads(self, manifest: dict) -> None:
-        """Refuse to reuse an artifact made from artifacts that have since been rebuilt with
-        other settings (or removed): its numbers describe inputs the work directory no longer
-        holds."""
-        stale = stale_reads(self.path, manifest)
-        if stale:
-            raise ArtifactError(f"{self.path} was made from artifacts since rebuilt with other "
-                                f"settings ({'; '.join(stale)}). "
                                 f"{rebuild_hint(self.path, self.kind)}")
 
     # -- building ---------------------------------------------------------------------------
@@ -538,6 +584,7 @@ class ArtifactBuilder:
         }
         manifest[MANIFEST_SHA256] = manifest_digest(manifest)
         write_json_atomic(self.partial / MANIFEST, manifest)
+        _ARTIFACTS.add(self.fingerprint)
         (self.partial / PROGRESS).unlink(missing_ok=True)
         for rank_file in self.partial.glob(RANK_PROGRESS.format(rank="*") + "*"):
             rank_file.unlink(missing_ok=True)  # the ranks' own files (and a torn .tmp)
