@@ -23,7 +23,7 @@ from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.utils.metrics import check_finite, ppl_from_logprobs
 from gnnlm.utils.progress import format_seconds, say
-from gnnlm.utils.quiet import resumed_fit
+from gnnlm.utils.quiet import quiet_lightning, resumed_fit
 from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
 from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint, plain_classes
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
@@ -183,7 +183,6 @@ def instantiate_fit(workdir: Workdir, name: str, configs: list[str],
     the runner validates before training and passes the checkpoint to resume from to
     ``trainer.fit``."""
     from gnnlm.lit.cli import GnnlmCLI
-    from gnnlm.utils.quiet import quiet_lightning
 
     quiet_lightning()
     return GnnlmCLI(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
@@ -318,11 +317,6 @@ def how_training_ended(trainer, training: dict) -> dict:
             "resumed_from_steps": list(training.get("resumed_from_steps", []))}
 
 
-def checkpoint_step(path: str | Path) -> int:
-    """The optimiser steps a Lightning checkpoint was written after."""
-    return int(load_checkpoint(path).get("global_step", 0))
-
-
 def _validation_metric(trainer) -> tuple[str, str]:
     """The metric that picks the kept weights and its direction: the monitored one, or val/ppl."""
     callback = trainer.checkpoint_callback
@@ -437,20 +431,10 @@ def predict_tokens(model, datamodule, split: str, n: int, precision: str = "32-t
     datamodule.predict_split = model.predict_split = split
     k = getattr(datamodule, "eval_k", None)
     desc = f"score {type(model).__name__} {split}" + (f" at k = {k}" if k else "")
-    # Lightning's "GPU available: ..." lines, said by every Trainer: the fit said them once
-    # (whichever Lightning package was imported last logs them)
-    loggers = [logging.getLogger(f"{package}.utilities.rank_zero")
-               for package in ("pytorch_lightning", "lightning_fabric")]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.WARNING)
-    try:
-        trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False,
-                             precision=precision, callbacks=[PredictProgress(n, desc)])
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
+    quiet_lightning()  # no device banner before each pass: every Trainer would say it
+    trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, precision=precision,
+                         callbacks=[PredictProgress(n, desc)])
     outputs = trainer.predict(model, datamodule=datamodule)
     positions = torch.cat([o["positions"] for o in outputs]).numpy()
     scored = np.zeros(n, dtype=bool)
@@ -591,7 +575,6 @@ def check_fit_config(configs: list[str]) -> None:
     import io
 
     from gnnlm.lit.cli import GnnlmCLI
-    from gnnlm.utils.quiet import quiet_lightning
 
     class ParseOnly(GnnlmCLI):
         def before_instantiate_classes(self) -> None:
