@@ -16,6 +16,9 @@ score alike is warned of, since its kNN-LM "gain" is smoothing, not retrieval.
 Plots (``PLOTS``): per key, valid perplexity over λ × T at the fitted k (``gnnlm sweep``'s
 heatmap); the recall buckets; each SPALM row's gate histogram; the ablations' curves.
 
+With a subword tokenizer every row also has its perplexity per word beside per token
+(``gnnlm.pipeline.per_word``), comparable with word-level rows.
+
 Rows are named, labelled and ordered by ``gnnlm.pipeline.rows``; everything is read from the
 pipeline's ``gnnlm.pipeline.results.Results``, which holds the manifests its stages read.
 """
@@ -28,7 +31,7 @@ import numpy as np
 
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
-from gnnlm.pipeline import data_checks, rows
+from gnnlm.pipeline import data_checks, per_word, rows
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.sweep import write_heatmap
 from gnnlm.retrieval import sanity
@@ -198,27 +201,39 @@ def _label(results: dict, name: str) -> str:
     return rows.label(name, results.get("deviations", {}).get(name))
 
 
+def _ppl_headers(results: dict) -> list[str]:
+    """The perplexity columns: valid and test, and for a subword tokenizer each per token and
+    per word (``gnnlm.pipeline.per_word``)."""
+    if "ppl_per_word" not in results:
+        return ["valid ppl", "test ppl"]
+    return ["valid ppl / token", "test ppl / token", "valid ppl / word", "test ppl / word"]
+
+
+def _ppl_cells(results: dict, name: str) -> list[str]:
+    """``name``'s perplexities in ``_ppl_headers``' order; empty where a row has none."""
+    values = [results["valid_ppl"].get(name), results["ppl"][name]]
+    if "ppl_per_word" in results:
+        values += [results["valid_ppl_per_word"].get(name), results["ppl_per_word"].get(name)]
+    return ["" if v is None else f"{v:.2f}" for v in values]
+
+
 def _table_markdown(results: dict, protocol: Protocol, names: list[str]) -> list[str]:
     left = results["mean_left_context"]
-    ppl = results["ppl"]
-    valid_ppl = results["valid_ppl"]
+    headers = _ppl_headers(results)
     if protocol["kind"] == "segments":
         lines = [f"Scored as {protocols.describe(protocol, with_memory=False)}:", "",
-                 "| model | memory M | mean left context | valid ppl | test ppl |",
-                 "|---|---:|---:|---:|---:|"]
+                 "| model | memory M | mean left context | " + " | ".join(headers) + " |",
+                 "|---|---:|---:|" + "---:|" * len(headers)]
         for name in names:
-            valid = valid_ppl.get(name)
             lines.append(f"| {_label(results, name)} | {results['protocols'][name]['memory']} | "
-                         f"{left[name]:.1f} | {'' if valid is None else f'{valid:.2f}'} | "
-                         f"{ppl[name]:.2f} |")
+                         f"{left[name]:.1f} | " + " | ".join(_ppl_cells(results, name)) + " |")
         return lines
     lines = [f"Scored with {protocols.describe(protocol, mean_left_context=left.get(names[0]))}:",
              "",
-             "| model | valid ppl | test ppl |", "|---|---:|---:|"]
+             "| model | " + " | ".join(headers) + " |", "|---|" + "---:|" * len(headers)]
     for name in names:
-        valid = valid_ppl.get(name)
-        lines.append(f"| {_label(results, name)} | "
-                     f"{'' if valid is None else f'{valid:.2f}'} | {ppl[name]:.2f} |")
+        lines.append(f"| {_label(results, name)} | " + " | ".join(_ppl_cells(results, name))
+                     + " |")
     return lines
 
 
@@ -296,6 +311,8 @@ def _markdown(results: dict) -> str:
     lines += [f"Base LM: {base_lm_line(results['base_lm'])}.", ""]
     for protocol, names in protocol_tables(results):
         lines += _table_markdown(results, protocol, names) + [""]
+    if "ppl_per_word" in results:
+        lines += [per_word.counted_line(results), ""]
     if results.get("training_notes"):
         lines += ["Not trained in one uninterrupted run:", ""]
         lines += [f"- {line}" for line in training_lines(results)] + [""]
@@ -452,7 +469,16 @@ def _tables(results: Results) -> dict:
     valid_ppl = {name: ppl_from_logprobs(s["valid"]) for name, s in scores.items() if "valid" in s}
     valid_ppl.update({name: hp["valid_ppl"] for name, hp in results.hparams.items()
                       if "valid_ppl" in hp})
+    # how many valid tokens each valid_ppl is over: a fitted one's as its fit recorded (-1: not
+    # recorded, so not converted per word)
+    valid_tokens = {name: len(s["valid"]) for name, s in scores.items() if "valid" in s}
+    valid_tokens.update({name: results.fitted_on.get(name, -1) for name, hp in
+                         results.hparams.items() if "valid_ppl" in hp})
     row_protocol = row_protocols(names, heads, protocols.of_features(results.features["test"]))
+    ppl = {name: ppl_from_logprobs(scores[name]["test"]) for name in names}
+    words = per_word.columns(results.level, ppl, valid_ppl, valid_tokens,
+                             {"valid": int(results.features["valid"]["n"]), "test": test_n},
+                             results.words) if results.words else {}
     return {
         "name": results.name, "dataset": results.dataset, "split": "test",
         "tokens": test_n, "protocol": results.features["test"]["protocol"],
@@ -462,8 +488,8 @@ def _tables(results: Results) -> dict:
         "deviations": {name: heads[name]["deviations"] for name in names
                        if name in heads and heads[name].get("deviations")},
         "level": results.level,
-        "ppl": {name: ppl_from_logprobs(scores[name]["test"]) for name in names},
-        "valid_ppl": valid_ppl, "hparams": results.hparams, "base_lm": results.base_lm,
+        "ppl": ppl, "valid_ppl": valid_ppl, **words,
+        "hparams": results.hparams, "base_lm": results.base_lm,
         "retrieval": {key: _retrieval_facts(r) for key, r in results.retrieval.items()},
     }
 
@@ -554,12 +580,15 @@ def print_table(results: dict, workdir: Workdir) -> None:
           f"by every row")
     for protocol, names in protocol_tables(results):
         print(f"{protocols.describe(protocol, with_memory=protocol['kind'] != 'segments')}:")
-        print(f"  {'model':<44} {'left ctx':>8} {'valid ppl':>10} {'test ppl':>10}")
+        headers = _ppl_headers(results)
+        width = max(10, *(len(h) for h in headers))
+        print(f"  {'model':<44} {'left ctx':>8} " + " ".join(f"{h:>{width}}" for h in headers))
         for name in names:
-            valid = results["valid_ppl"].get(name)
             left = results["mean_left_context"].get(name)
             print(f"  {_label(results, name):<44} {'' if left is None else f'{left:.1f}':>8} "
-                  f"{'' if valid is None else f'{valid:.2f}':>10} {results['ppl'][name]:10.2f}")
+                  + " ".join(f"{c:>{width}}" for c in _ppl_cells(results, name)))
+    if "ppl_per_word" in results:
+        print(per_word.counted_line(results))
     if results.get("training_notes"):
         print("Not trained in one uninterrupted run:")
         for line in training_lines(results):

@@ -37,7 +37,10 @@ class Results:
     ``gnnlm.pipeline.data_checks.measure``'s shares; ``ablations``: the ablation stage's
     result, if it ran; ``environment``: the machine and versions the report is written on
     (``gnnlm.utils.environment.describe``); ``retrieval_sanity[key]``: how much the key's
-    retrieval discriminates at its kNN row's fitted point (``gnnlm.retrieval.sanity``)."""
+    retrieval discriminates at its kNN row's fitted point (``gnnlm.retrieval.sanity``);
+    ``words[split]``: for a subword tokenizer, the words of the text valid's and test's scored
+    tokens cover (``gnnlm.text.words``; empty otherwise); ``fitted_on[row]``: the valid tokens an
+    interpolation's ``valid_ppl`` is over."""
     name: str
     dataset: str
     level: str
@@ -54,13 +57,19 @@ class Results:
     ablations: Optional[dict] = None
     environment: Optional[dict] = None
     retrieval_sanity: dict[str, Sanity] = field(default_factory=dict)
+    words: dict[str, int] = field(default_factory=dict)
+    fitted_on: dict[str, int] = field(default_factory=dict)
 
     @property
     def test_tokens(self) -> int:
         """The test split's positions: every row scores each of them once."""
         return int(self.features["test"]["n"])
 
-    def add_interpolation(self, name: str, test_logprob: np.ndarray, hparams: dict) -> None:
-        """A row fitted on valid: its test scores and what it fitted."""
+    def add_interpolation(self, name: str, test_logprob: np.ndarray, hparams: dict,
+                          valid_tokens: Optional[int] = None) -> None:
+        """A row fitted on valid: its test scores, what it fitted, and over how many valid
+        tokens its fitted ``valid_ppl`` is (None: not known, so not converted per word)."""
         self.scores[name] = {"test": test_logprob}
         self.hparams[name] = hparams
+        if valid_tokens is not None:
+            self.fitted_on[name] = int(valid_tokens)

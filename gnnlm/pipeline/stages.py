@@ -41,6 +41,7 @@ from gnnlm.retrieval.knn_cache import build_knn_cache, open_knn_cache, search_fa
 from gnnlm.retrieval.neighbors import build_neighbors
 from gnnlm.retrieval.sanity import retrieval_sanity
 from gnnlm.text.tokens import HFTokenizer, TokenizerConfig, TokenStore, build_tokens
+from gnnlm.text.words import SUBWORD_KINDS, scored_words
 from gnnlm.utils import environment
 from gnnlm.utils.metrics import check_finite
 from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
@@ -306,6 +307,8 @@ def run_stages(cfg: PipelineConfig, workdir: Workdir) -> dict:
     results = Results(name=cfg.name, dataset=store.manifest["config"]["corpus"],
                       level=store.level, base_lm=model.identity(),
                       base_lm_manifest=base_manifest, features=features)
+    if store.level in SUBWORD_KINDS:  # the words valid's and test's scored tokens cover
+        results.words = {s: scored_words(store, s, int(features[s]["n"])) for s in EVAL_SPLITS}
     results.scores[rows.BASE] = base_scores(workdir)
     score_knn_rows(cfg, workdir, results)
     results.heads, results.pq = stage_heads(cfg, workdir)
@@ -354,7 +357,8 @@ def score_knn_rows(cfg: PipelineConfig, workdir: Workdir, results: Results) -> N
                                                              result, cfg.knn.grid())
         results.add_interpolation(rows.knn_row(key, cfg.knn.primary), result.pop("test_logprob"),
                                   {**result, "similarity": cfg.knn.metric, "key": key,
-                                   **search_label(workdir, retrieval)})
+                                   **search_label(workdir, retrieval)},
+                                  valid_tokens=len(caches["valid"]["lm_logprob"]))
         if key == cfg.knn.primary:
             results.knn_recall = np.asarray(caches["test"]["hits"]).sum(1)
 
@@ -369,13 +373,15 @@ def score_head_interpolations(cfg: PipelineConfig, workdir: Workdir, results: Re
         result = fit_and_score(caches["valid"], caches["test"], *grid)
         results.add_interpolation(rows.GNN_KNN, result.pop("test_logprob"),
                                   {**result, "similarity": cfg.knn.metric, "key": primary,
-                                   **search_label(workdir, results.retrieval[primary])})
+                                   **search_label(workdir, results.retrieval[primary])},
+                                  valid_tokens=len(caches["valid"]["lm_logprob"]))
     for name in cfg.learned_wds.named():
         lam, valid_ppl = fit_lambda(scores[rows.BASE]["valid"], scores[name]["valid"], grid[2])
         results.add_interpolation(rows.with_base(name),
                                   interpolate(scores[rows.BASE]["test"], scores[name]["test"],
                                               lam),
-                                  {"lambda": lam, "valid_ppl": valid_ppl})
+                                  {"lambda": lam, "valid_ppl": valid_ppl},
+                                  valid_tokens=len(scores[rows.BASE]["valid"]))
 
 
 def main(args: list[str]) -> None:
