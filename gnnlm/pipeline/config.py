@@ -59,8 +59,8 @@ class BaseLMConfig:
     """The frozen base LM: a checkpoint, a Hugging Face model, or YAMLs to train it.
 
     Args:
-        ckpt: a ``gnnlm fit`` checkpoint or ``hf:<name-or-folder>`` (unset: the base LM is
-            trained with ``config`` into ``models/base_lm`` of the work dir).
+        ckpt: a ``gnnlm fit`` checkpoint, ``hf:<name-or-folder>`` or a GGUF file (unset: the
+            base LM is trained with ``config`` into ``models/base_lm`` of the work dir).
         config: the ``gnnlm fit`` YAMLs that train the base LM (a base and its overlays), when
             ``ckpt`` is unset.
         keys: Hugging Face only: where each feature is read, ``{final: ..., att: ...}`` as
