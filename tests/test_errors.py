@@ -144,9 +144,9 @@ def test_a_hugging_face_folder_without_a_model(tmp_path, capsys):
     line = error_of(["pipeline", *CPU, f"--workdir={tmp_path / 'w'}",
                      f"--base_lm.ckpt=hf:{tmp_path / 'hf'}"], capsys)
     assert line == (f"gnnlm pipeline: error: base_lm.ckpt hf:{tmp_path / 'hf'}: the folder "
-                    f"{tmp_path / 'hf'} holds no config.json, so it is not a saved Hugging Face "
-                    f"model: give the folder `save_pretrained` wrote, or a Hub name such as "
-                    f"hf:gpt2.")
+                    f"{tmp_path / 'hf'} holds no config.json and no .gguf file, so it is not a "
+                    f"saved Hugging Face model: give the folder `save_pretrained` wrote, a GGUF "
+                    f"file, or a Hub name such as hf:gpt2.")
     assert not (tmp_path / "w").exists()
 
 

@@ -104,7 +104,8 @@ class TrainedLM:
         if not location:
             raise NotServed(f"The features in {self.workdir.features('train')} do not record "
                             f"where their base LM is.")
-        return location if is_hf(location) else str(self.workdir.resolve(location))
+        # hf:<name> as given; a checkpoint or a GGUF file relative to the work directory
+        return location if location.startswith("hf:") else str(self.workdir.resolve(location))
 
     @cached_property
     def base_lm_options(self) -> Optional[dict]:

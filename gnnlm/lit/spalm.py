@@ -32,7 +32,7 @@ import torch
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.lit.gates import PerTokenGate
 from gnnlm.lit.memory import SegmentMemory
-from gnnlm.models import load_gpt_checkpoint
+from gnnlm.models import is_hf, load_gpt_checkpoint
 from gnnlm.models.gpt import GPT
 from gnnlm.spalm.model import Spalm, SpalmOutput
 from gnnlm.utils.metrics import target_nll
@@ -109,7 +109,7 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
             raise ValueError(f"The model reads up to k = {needed} retrieved values per position "
                              f"(k {k}, k_curve {k_curve}) but the data "
                              f"carries data.retrieved = {retrieved}: raise it.")
-        if not base_lm or base_lm.startswith("hf:"):
+        if not base_lm or is_hf(base_lm):
             raise ValueError("SpalmXL needs base_lm: a checkpoint of the built-in LM (the one "
                              "the datastore was built with; SpalmDataModule supplies it). "
                              "Transformer-XL memory needs the built-in GPT.")

@@ -59,9 +59,11 @@ def load_base_lm(spec: str, options: Optional[dict] = None) -> BaseLM:
 
     ``spec`` is a checkpoint of the built-in LM written by ``gnnlm fit`` (``*.ckpt``), or
     ``hf:<name or folder>`` for a Hugging Face causal LM (a folder with ``config.json`` also works
-    without the prefix). ``options`` apply to Hugging Face models only: ``keys`` (module paths of
-    the features), ``dtype`` and ``device_map`` (see ``HFCausalLM.from_pretrained``). Models are
-    identified by their weights' fingerprint, not by the path.
+    without the prefix), or a GGUF file (``[hf:]<file>.gguf``, or a folder holding one), read by
+    transformers with the tokenizer inside it. ``options`` apply to Hugging Face models only:
+    ``keys`` (module paths of the features), ``dtype`` and ``device_map`` (see
+    ``HFCausalLM.from_pretrained``). Models are identified by their weights' fingerprint (a
+    GGUF's: its file's sha256), not by the path.
     """
     options = {k: v for k, v in (options or {}).items() if v is not None}
     if is_hf(spec):

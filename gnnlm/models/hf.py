@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gnnlm.models.base import BaseLM, Features, LogitTransform
+from gnnlm.models.gguf_files import prepare_load, unreadable_architecture
 
 # the settings a config checks without torch; importable from here too
 from gnnlm.models.settings import (  # noqa: F401
@@ -46,7 +47,9 @@ from gnnlm.models.settings import (  # noqa: F401
     FEATURE_KEYS,
     check_key_path,
     check_keys,
+    gguf_file,
 )
+from gnnlm.workdir.artifacts import file_sha256
 
 _LLAMA_STYLE = {"att": "model.layers.-1.mlp:input", "final": "model.norm:output"}
 KEY_PATHS: dict[str, dict[str, str]] = {
@@ -132,6 +135,7 @@ class HFCausalLM(BaseLM):
     model: Any               # a transformers PreTrainedModel
     dtype_name: str = "float32"
     placed: bool = False     # spread over devices by device_map: never moved
+    gguf_sha256: Optional[str] = None  # loaded from a GGUF file: its sha256
 
     def __init__(self, model: Any, name: str = "hf",
                  keys: Optional[dict[str, str]] = None, check: bool = True):
@@ -214,8 +218,12 @@ class HFCausalLM(BaseLM):
             raise ImportError("base_lm.device_map needs the `accelerate` package: pip install "
                               "accelerate (or gnnlm[gpu]).")
         hf_logging.disable_progress_bar()  # per-tensor loading bars would fill redirected logs
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(name_or_path)
         kwargs: dict[str, Any] = {"dtype": DTYPES[dtype or "float32"]}
+        gguf = gguf_file(name_or_path)
+        if gguf is not None:  # read by transformers from the folder holding it; checked first
+            prepare_load(gguf)
+            name_or_path, kwargs["gguf_file"] = str(gguf.parent), gguf.name
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.path.isdir(name_or_path)
         if os.path.isdir(name_or_path) and any(
                 f.endswith(".safetensors") for f in os.listdir(name_or_path)):
             kwargs["use_safetensors"] = True  # never unpickle when tensors exist
@@ -233,8 +241,15 @@ class HFCausalLM(BaseLM):
         except OSError as err:
             raise FileNotFoundError(f"Cannot load a Hugging Face causal LM from {name_or_path!r}: "
                                     f"{err}") from err
-        lm = cls(model.eval(), name=os.path.basename(os.path.normpath(name_or_path)), keys=keys)
+        except ValueError as err:
+            unreadable = unreadable_architecture(gguf, err) if gguf else None
+            if unreadable is None:
+                raise
+            raise unreadable from None
+        name = gguf.stem if gguf else os.path.basename(os.path.normpath(name_or_path))
+        lm = cls(model.eval(), name=name, keys=keys)
         lm.dtype_name = dtype or "float32"
+        lm.gguf_sha256 = file_sha256(gguf) if gguf else None
         lm.placed = device_map is not None
         return lm
 
@@ -331,6 +346,12 @@ class HFCausalLM(BaseLM):
     def output_embedding(self) -> tuple[Tensor, Optional[Tensor]]:
         head = self.model.get_output_embeddings()
         return head.weight, getattr(head, "bias", None)
+
+    def fingerprint(self) -> str:
+        """A model loaded from a GGUF file is that file: its sha256 (the first 16 hex digits), the
+        same whatever dequantization gives; with the dtype in ``identity`` it names the weights.
+        Other models: the hash of their weights."""
+        return self.gguf_sha256[:16] if self.gguf_sha256 else super().fingerprint()
 
     def identity(self) -> dict:
         return {**super().identity(), "keys": dict(self.keys), "dtype": self.dtype_name,

@@ -1,9 +1,11 @@
 """What a config names of a base LM, checked without torch or transformers: the feature keys,
 the weights' precisions, the Hugging Face key paths' form, and whether a spec is a Hugging Face
-model. Loading the model is ``gnnlm.models.load_base_lm``."""
+model (a folder, a Hub name, or a GGUF file that transformers reads). Loading the model is
+``gnnlm.models.load_base_lm``."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 FEATURE_KEYS = ("final", "att")
 # the precisions a Hugging Face base LM's weights may be loaded in (torch dtypes of these names)
@@ -12,6 +14,7 @@ DEFAULT_CONTEXT = 1024  # a model's own context can be 128k: the features' windo
 # the config fields that give a Hugging Face model's context, the first set one: learned or
 # rotary positions, or MPT's ALiBi length; Bloom's ALiBi has none (features.context gives it)
 CONTEXT_FIELDS = ("n_positions", "max_position_embeddings", "max_seq_len")
+GGUF_SUFFIX = ".gguf"  # llama.cpp's one-file format: weights, config and tokenizer together
 
 
 def no_context(lm: str) -> str:
@@ -23,8 +26,36 @@ def no_context(lm: str) -> str:
 
 
 def is_hf(spec: str) -> bool:
-    """Whether ``spec`` names a Hugging Face model (``hf:`` or a folder with config.json)."""
-    return spec.startswith("hf:") or (Path(spec) / "config.json").is_file()
+    """Whether ``spec`` names a Hugging Face model: ``hf:``, a folder with config.json, or a GGUF
+    file (``*.gguf``, or a folder of them without config.json), with or without the prefix."""
+    return (spec.startswith("hf:") or (Path(spec) / "config.json").is_file()
+            or _names_gguf(spec))
+
+
+def _gguf_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*") if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+
+
+def _names_gguf(spec: str) -> bool:
+    """``spec`` names a GGUF file, or a folder without config.json holding one or more."""
+    path = Path(spec.removeprefix("hf:")).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return True
+    return (path.is_dir() and not (path / "config.json").is_file()
+            and bool(_gguf_files(path)))
+
+
+def gguf_file(spec: str) -> Optional[Path]:
+    """The GGUF file ``spec`` names (``[hf:]<file>.gguf``, or ``[hf:]<folder>`` holding exactly
+    one ``.gguf`` and no config.json), or None when it names none (a model folder, a Hub name,
+    a checkpoint). ``check_hf_folder`` refuses a missing file and a folder of several."""
+    path = Path(spec.removeprefix("hf:")).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return path if path.is_file() else None
+    if path.is_dir() and not (path / "config.json").is_file():
+        files = _gguf_files(path)
+        return files[0] if len(files) == 1 else None
+    return None
 
 
 def looks_like_folder(name: str) -> bool:
@@ -36,20 +67,34 @@ def looks_like_folder(name: str) -> bool:
 def check_hf_folder(spec: str, field: str = "base_lm.ckpt") -> None:
     """Refuse ``hf:<folder>`` when the folder is not there or holds no model, before anything
     runs: the Hub client would read the path as a repository id and answer "Repo id must be in
-    the form 'repo_name' or 'namespace/repo_name'", which says nothing of the typo."""
+    the form 'repo_name' or 'namespace/repo_name'", which says nothing of the typo. A GGUF file
+    must be there, and a folder of GGUF files must hold one, not several."""
     name = spec.removeprefix("hf:")
     folder = Path(name).expanduser()
+    if folder.suffix.lower() == GGUF_SUFFIX and not folder.is_file():
+        raise FileNotFoundError(
+            f"{field} {spec}: there is no file {folder} (relative paths are resolved against "
+            f"the current directory, {Path.cwd()}): give a GGUF file that exists (`make "
+            f"smollm2` fetches SmolLM2-135M-Instruct into models/smollm2/).")
     if folder.is_dir():
-        if not (folder / "config.json").is_file():
+        if (folder / "config.json").is_file():
+            return
+        ggufs = _gguf_files(folder)
+        if len(ggufs) > 1:
+            raise ValueError(f"{field} {spec}: the folder {folder} holds {len(ggufs)} GGUF files "
+                             f"({', '.join(p.name for p in ggufs)}): name the one to load.")
+        if not ggufs:
             raise FileNotFoundError(
-                f"{field} {spec}: the folder {folder} holds no config.json, so it is not a saved "
-                f"Hugging Face model: give the folder `save_pretrained` wrote, or a Hub name "
-                f"such as hf:gpt2.")
+                f"{field} {spec}: the folder {folder} holds no config.json and no .gguf file, "
+                f"so it is not a saved Hugging Face model: give the folder `save_pretrained` "
+                f"wrote, a GGUF file, or a Hub name such as hf:gpt2.")
         return
     if folder.exists():
+        if folder.suffix.lower() == GGUF_SUFFIX:
+            return
         raise FileNotFoundError(f"{field} {spec}: {folder} is a file, not a model's folder: "
-                                f"give the folder `save_pretrained` wrote, or a Hub name such "
-                                f"as hf:gpt2.")
+                                f"give the folder `save_pretrained` wrote, a GGUF file "
+                                f"(*.gguf), or a Hub name such as hf:gpt2.")
     if looks_like_folder(name):
         raise FileNotFoundError(
             f"{field} {spec}: there is no folder {name} (relative paths are resolved against "

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from gnnlm.gnn.settings import PQConfig
-from gnnlm.models.settings import DTYPE_NAMES, FEATURE_KEYS, check_keys
+from gnnlm.models.settings import DTYPE_NAMES, FEATURE_KEYS, check_keys, is_hf
 from gnnlm.pipeline.config_checks import (  # noqa: F401  (importable from here too)
     STAGES,
     base_lm_shape,
@@ -59,8 +59,8 @@ class BaseLMConfig:
     """The frozen base LM: a checkpoint, a Hugging Face model, or YAMLs to train it.
 
     Args:
-        ckpt: a ``gnnlm fit`` checkpoint or ``hf:<name-or-folder>`` (unset: the base LM is
-            trained with ``config`` into ``models/base_lm`` of the work dir).
+        ckpt: a ``gnnlm fit`` checkpoint, ``hf:<name-or-folder>`` or a GGUF file (unset: the
+            base LM is trained with ``config`` into ``models/base_lm`` of the work dir).
         config: the ``gnnlm fit`` YAMLs that train the base LM (a base and its overlays), when
             ``ckpt`` is unset.
         keys: Hugging Face only: where each feature is read, ``{final: ..., att: ...}`` as
@@ -79,9 +79,9 @@ class BaseLMConfig:
 
     def __post_init__(self):
         hf_only = [name for name in ("keys", "dtype", "device_map") if getattr(self, name)]
-        if hf_only and not (self.ckpt or "").startswith("hf:"):
+        if hf_only and not (self.ckpt and is_hf(self.ckpt)):
             raise ValueError(f"base_lm.{hf_only[0]} applies to Hugging Face base LMs "
-                             f"(base_lm.ckpt: hf:<name-or-folder>).")
+                             f"(base_lm.ckpt: hf:<name-or-folder>, or a GGUF file).")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"base_lm.dtype must be one of {sorted(DTYPE_NAMES)} (got "
                              f"{self.dtype!r}).")

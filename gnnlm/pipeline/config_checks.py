@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
+from gnnlm.models.gguf_files import read_header
 from gnnlm.models.settings import (
     CONTEXT_FIELDS,
     DEFAULT_CONTEXT,
     check_hf_folder,
+    gguf_file,
     is_hf,
     no_context,
 )
@@ -77,7 +79,7 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
                          "`gnnlm fit` YAMLs to train one).")
     tokenizer = cfg.corpus.tokenizer if cfg.corpus is not None else None
     if (tokenizer is not None and tokenizer.kind == "hf" and not tokenizer.path
-            and not (cfg.base_lm.ckpt or "").startswith("hf:")):
+            and not (cfg.base_lm.ckpt and is_hf(cfg.base_lm.ckpt))):
         raise ValueError("corpus.tokenizer kind 'hf' without a path means the Hugging Face base "
                          "LM's own tokenizer, but base_lm.ckpt is not hf:<name-or-folder>: give "
                          "corpus.tokenizer.path.")
@@ -330,7 +332,8 @@ def base_lm_shape(cfg: PipelineConfig) -> Optional[tuple[Optional[int], int]]:
         args = {**defaults, **(model.get("init_args") or {})}
         return _shape(args.get("context_length"), args.get("d_model"))
     if is_hf(spec):
-        return _hf_shape(spec.removeprefix("hf:"))
+        gguf = gguf_file(spec)
+        return _gguf_shape(gguf) if gguf else _hf_shape(spec.removeprefix("hf:"))
     if not Path(spec).is_file():
         return None
     hparams = load_checkpoint(spec).get("hyper_parameters") or {}
@@ -368,6 +371,13 @@ def _hf_shape(name: str) -> Optional[tuple[Optional[int], int]]:
     if context is None and _shape(1, hidden):  # ALiBi positions of any length (Bloom)
         return None, hidden
     return _shape(context, hidden)
+
+
+def _gguf_shape(path: Path) -> Optional[tuple[Optional[int], int]]:
+    """From the GGUF file's metadata (``<arch>.context_length``, ``<arch>.embedding_length``),
+    read without its tensors; a file cut short or not GGUF is refused here, before any stage."""
+    header = read_header(path)
+    return _shape(header.field("context_length"), header.field("embedding_length"))
 
 
 def _check_against_base_lm(cfg: PipelineConfig) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from gnnlm.gnn.pq import build_pq
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
-from gnnlm.models.settings import no_context
+from gnnlm.models.settings import gguf_file, no_context
 from gnnlm.pipeline import data_checks, rows
 from gnnlm.pipeline.ablations import (
     ABLATIONS_VERSION,
@@ -113,7 +113,7 @@ def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
                              f"train a base LM on this corpus (base_lm.config).")
         return
     folder = Path(ckpt.removeprefix("hf:"))
-    if not folder.is_dir():
+    if not folder.is_dir() and gguf_file(ckpt) is None:  # a Hub name: no local tokenizer
         return
     try:
         own = HFTokenizer.from_path(str(folder))
@@ -131,7 +131,7 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
     """The corpus's token streams: the pipeline's ``corpus:`` section, or else the corpus and
     tokenizer a ``gnnlm fit`` checkpoint names (``CorpusConfig`` says how the two agree)."""
     corpus = cfg.corpus
-    if corpus is None and not ckpt.startswith("hf:"):
+    if corpus is None and not is_hf(ckpt):
         data = datamodule_args(ckpt)
         if "corpus" in data:  # a `gnnlm fit` checkpoint names its corpus and tokenizer
             tok = data.get("tokenizer") or TokenizerConfig()
@@ -143,7 +143,7 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
     tokenizer = corpus.tokenizer
     if not isinstance(tokenizer, TokenizerConfig):  # as a checkpoint saved it
         tokenizer = TokenizerConfig(**dict(tokenizer))
-    if tokenizer.kind == "hf" and not tokenizer.path:  # the Hugging Face model's own
+    if tokenizer.kind == "hf" and not tokenizer.path:  # the Hugging Face model's own (a GGUF's)
         tokenizer = replace(tokenizer, path=ckpt.removeprefix("hf:"))
     return build_tokens(workdir.tokens, corpus.name, corpus.path, corpus.data_dir,
                         tokenizer, rebuild=cfg.rebuilds("tokens"))

@@ -218,6 +218,9 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as Backend
 
         p = Path(path)
+        gguf = cls._gguf_file(p)
+        if gguf is not None:
+            return cls._from_gguf(gguf)
         if p.is_file():
             return cls(Backend.from_file(str(p)))
         if (p / "tokenizer.json").is_file():
@@ -237,6 +240,32 @@ class HFTokenizer(Tokenizer):
             raise FileNotFoundError(f"No tokenizer at {path!r}: not a tokenizer.json file, not a "
                                     f"folder with one, and not loadable by transformers "
                                     f"({first[:200]}).") from err
+        return cls(fast.backend_tokenizer)
+
+    @staticmethod
+    def _gguf_file(p: Path) -> Path | None:
+        """The GGUF file ``p`` names: a ``.gguf`` file, or the one ``.gguf`` of a folder without
+        a tokenizer.json or config.json (several: refused, naming them)."""
+        if p.suffix.lower() == ".gguf":
+            return p
+        if not p.is_dir() or any((p / f).is_file() for f in ("tokenizer.json", "config.json")):
+            return None
+        files = sorted(f for f in p.glob("*") if f.suffix.lower() == ".gguf")
+        if len(files) > 1:
+            raise FileNotFoundError(f"{p} holds {len(files)} GGUF files ("
+                                    f"{', '.join(f.name for f in files)}): name the one whose "
+                                    f"tokenizer to read.")
+        return files[0] if files else None
+
+    @classmethod
+    def _from_gguf(cls, gguf: Path) -> HFTokenizer:
+        """The tokenizer a GGUF file carries (its vocabulary, merges and pre-tokenizer), as
+        transformers converts it to a fast tokenizer."""
+        from transformers import AutoTokenizer
+
+        if not gguf.is_file():
+            raise FileNotFoundError(f"No tokenizer at {gguf}: there is no such GGUF file.")
+        fast = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         return cls(fast.backend_tokenizer)
 
     def encode(self, text: str) -> np.ndarray:
