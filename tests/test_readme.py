@@ -109,3 +109,66 @@ def test_the_stage_times_are_the_committed_run_s(stage_times, section):
                          ("index", "index[final]"), ("neighbours", "neighbors[final]"),
                          ("kNN caches", "knn_cache[final]"), ("GNN-LM", "gnn")):
         assert re.search(rf"\b{re.escape(label)} {seconds[stage]:,.0f} s\b", text), label
+
+
+SMOLLM2 = REPO / "results" / "wikitext2-smollm2-cpu"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> dict:
+    return json.loads((SMOLLM2 / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smollm2_section() -> str:
+    """The README's section on SmolLM2-135M as the base LM, up to the next section."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("### SmolLM2-135M as the frozen base LM")
+    return text[start:text.index("\n### ", start + 1)]
+
+
+def test_the_smollm2_run_names_its_commit_and_had_no_changes(smollm2, smollm2_section):
+    made_by = smollm2["made_by"]
+    stage_times = json.loads((SMOLLM2 / "stage_times.json").read_text())
+    assert made_by == stage_times["made_by"] and made_by["dirty"] is False
+    assert f"a clean clone of commit {made_by['commit'][:7]}" in smollm2_section
+    total = round(stage_times["total_seconds"])
+    assert f"took {total // 60} min {total % 60} s" in " ".join(smollm2_section.split())
+
+
+def test_the_smollm2_table_is_the_committed_run_s(smollm2, smollm2_section):
+    """Every row per token and per word, each fitted setting, and the tokens and words scored."""
+    ppl, valid, per_word, hp = (smollm2["ppl"], smollm2["valid_ppl"], smollm2["ppl_per_word"],
+                                smollm2["hparams"])
+    base = ppl["base"]
+
+    def row(label: str, name: str) -> str:
+        change = "" if name == "base" else _signed((ppl[name] / base - 1) * 100, 1) + "%"
+        return (f"| {label} | {valid[name]:.2f} | {ppl[name]:.2f} | {per_word[name]:.2f} |"
+                f"{f' {change} |' if change else ' |'}")
+
+    knn, att, gnn_knn = hp["knn"], hp["knn[att]"], hp["gnn+knn"]
+    expected = [
+        row("base LM", "base"),
+        row(f"+kNN (k = {knn['k']}, T = {knn['temperature']:g}, λ = {knn['lambda']:g}, "
+            f"`final` keys)", "knn"),
+        row(f"+kNN (k = {att['k']}, T = {att['temperature']:g}, λ = {att['lambda']:g}, "
+            f"`att` keys)", "knn[att]"),
+        row(f"+GNN (evaluated with k = {smollm2['gnn_eval_k']['chosen']})", "gnn"),
+        row(f"+GNN+kNN (λ = {gnn_knn['lambda']:g})", "gnn+knn")]
+    for line in expected:
+        assert line in smollm2_section
+    words, tokens = smollm2["words"], smollm2["scored_tokens"]
+    text = " ".join(smollm2_section.split())
+    assert f"the same {tokens['test']:,} test tokens ({words['test']:,} words)" in text
+    assert f"first {tokens['valid']:,} valid tokens" in text
+
+
+def test_the_smollm2_datastore_curve_is_the_committed_run_s(smollm2, smollm2_section):
+    curve = smollm2["ablations"]["subsample_curve"]
+    base = smollm2["ablations"]["rows"][0]["test_ppl"]
+    lines = smollm2_section.splitlines()
+    for point in curve:
+        change = _signed((point["test_ppl"] / base - 1) * 100, 1)
+        line = next(x for x in lines if x.startswith(f"| {point['fraction']:.0%} | "))
+        assert line.endswith(f" | {point['test_ppl']:.2f} | {change}% |"), line

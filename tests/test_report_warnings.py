@@ -168,7 +168,7 @@ def test_heads_worse_than_the_base_lm_on_valid_are_flagged():
     assert worse == [{"row": "gnn", "valid_ppl": 120.0, "base_valid_ppl": 100.0}]
     [warning] = data_checks.report_warnings({}, {}, worse, label={"gnn": "+GNN"}.get)
     assert warning["kind"] == "worse_than_base"
-    assert warning["message"].startswith("+GNN is worse than the base LM on valid "
+    assert warning["message"].startswith("+GNN is no better than the base LM on valid "
                                          "(120.00 vs 100.00): ")
 
 
@@ -222,14 +222,14 @@ def test_results_md_and_the_table_carry_the_shares_and_one_warnings_block(capsys
     block = text.split("Warnings:\n\n")[1].split("\n\n")[0].splitlines()
     assert block[0].startswith("- ⚠ 92.0% of test tokens are unknown to the vocabulary "
                                "(`<unk>`; train 2.0%): over 2x train's share")
-    assert block[1] == ("- ⚠ +GNN is worse than the base LM on valid (13.00 vs 11.00): its "
+    assert block[1] == ("- ⚠ +GNN is no better than the base LM on valid (13.00 vs 11.00): its "
                         "training did not improve on the LM it reads, so its test row is no "
                         "gain of the method.")
     assert len(block) == 2
     print_table(results, Workdir(tmp_path))
     printed = capsys.readouterr().out
     assert printed.index("Warnings:") > printed.index("base LM")
-    assert "  ⚠ +GNN is worse than the base LM on valid (13.00 vs 11.00)" in printed
+    assert "  ⚠ +GNN is no better than the base LM on valid (13.00 vs 11.00)" in printed
 
 
 def test_nothing_to_warn_of_gives_no_warnings_block(capsys, tmp_path):

@@ -215,7 +215,7 @@ def report_warnings(unk: Mapping[str, Optional[float]],
     for row in worse:
         found.append({
             "kind": "worse_than_base", **row,
-            "message": f"{label(row['row'])} is worse than the base LM on valid "
+            "message": f"{label(row['row'])} is no better than the base LM on valid "
                        f"({row['valid_ppl']:.2f} vs {row['base_valid_ppl']:.2f}): its training "
                        f"did not improve on the LM it reads, so its test row is no gain of the "
                        f"method."})
