@@ -73,6 +73,19 @@ def test_a_missing_gguf_or_a_folder_of_several_is_refused_in_one_line(tmp_path):
                               f"(a.gguf, b.gguf): name the one to load.")
 
 
+def test_a_gguf_s_fingerprint_is_its_file_and_the_dtype_it_was_dequantized_to():
+    """float32 (the default) is the file's sha256; another dtype is another fingerprint, so the
+    features of a float32 and a bfloat16 load of one file are never reused for each other."""
+    from gnnlm.models.hf import HFCausalLM
+
+    def fingerprint(dtype: str) -> str:
+        return HFCausalLM.fingerprint(SimpleNamespace(gguf_sha256=SMOLLM2_SHA256,
+                                                      dtype_name=dtype))
+
+    assert fingerprint("float32") == SMOLLM2_SHA256[:16]
+    assert len({fingerprint(d) for d in ("float32", "bfloat16", "float16")}) == 3
+
+
 def test_the_header_is_read_without_the_tensors(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "llama", context=96, width=8)
     header = read_header(path)

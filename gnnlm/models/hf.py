@@ -26,6 +26,7 @@ windows.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import os
@@ -348,10 +349,15 @@ class HFCausalLM(BaseLM):
         return head.weight, getattr(head, "bias", None)
 
     def fingerprint(self) -> str:
-        """A model loaded from a GGUF file is that file: its sha256 (the first 16 hex digits), the
-        same whatever dequantization gives; with the dtype in ``identity`` it names the weights.
-        Other models: the hash of their weights."""
-        return self.gguf_sha256[:16] if self.gguf_sha256 else super().fingerprint()
+        """A model loaded from a GGUF file is that file dequantized to a dtype: in float32 (the
+        default) the file's sha256 (its first 16 hex digits); in another dtype the sha256 of the
+        file's sha256 and the dtype's name, so the features of a float32 and a bfloat16 load of
+        one file are never taken for each other. Other models: the hash of their weights."""
+        if not self.gguf_sha256:
+            return super().fingerprint()
+        if self.dtype_name == "float32":
+            return self.gguf_sha256[:16]
+        return hashlib.sha256(f"{self.gguf_sha256}:{self.dtype_name}".encode()).hexdigest()[:16]
 
     def identity(self) -> dict:
         return {**super().identity(), "keys": dict(self.keys), "dtype": self.dtype_name,
