@@ -100,10 +100,25 @@ def _command(module: str, function: str = "main"):
     return run
 
 
+def _config_command(name: str):
+    """A command that reads a pipeline config (``gnnlm.pipeline.arguments``): its help is
+    answered from the config's modules, before its own module (torch, faiss: seconds) is
+    imported."""
+    def run(args: list[str]) -> None:
+        from gnnlm.pipeline.arguments import COMMANDS as CONFIG_COMMANDS
+        from gnnlm.pipeline.arguments import answer_help
+        from gnnlm.pipeline.config_help import asks_for_help
+
+        if asks_for_help(args):
+            answer_help(name, args)
+        _command(CONFIG_COMMANDS[name][0])(args)
+    return run
+
+
 # commands besides LightningCLI's fit/validate/test/predict
-COMMANDS = {"pipeline": _command("gnnlm.pipeline.stages"),
-            "sweep": _command("gnnlm.pipeline.sweep"),
-            "explain": _command("gnnlm.inference.explain"),
+COMMANDS = {"pipeline": _config_command("pipeline"),
+            "sweep": _config_command("sweep"),
+            "explain": _config_command("explain"),
             "verify": _command("gnnlm.workdir.verify"),
             "score": _command("gnnlm.inference.commands", "score_main"),
             "generate": _command("gnnlm.inference.commands", "generate_main")}

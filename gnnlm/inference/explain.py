@@ -56,11 +56,10 @@ def next_tokens(lm: TrainedLM, text: str, top: int = 5) -> dict[str, list[tuple[
 def main(args: list[str]) -> list[dict]:
     """``gnnlm explain -c PIPELINE.yaml --text "..." [--top 3]``: prints the retrieved train
     contexts and the next tokens; writes nothing."""
+    from gnnlm.pipeline.arguments import explain_options
     from gnnlm.pipeline.config import check_built, config_parser, to_config
 
-    parser = config_parser("gnnlm explain", description=main.__doc__)
-    parser.add_argument("--text", type=str, required=True, help="the input context")
-    parser.add_argument("--top", type=int, default=3, help="retrieved contexts to show")
+    parser = explain_options(config_parser("gnnlm explain", description=main.__doc__))
     namespace = parser.parse_args(args)
     text, top = namespace.pop("text"), namespace.pop("top")
     cfg = to_config(parser, namespace)

@@ -32,7 +32,7 @@ from gnnlm.pipeline.config_files import (  # noqa: F401  (importable from here t
     merged_yaml,
     yaml_list,
 )
-from gnnlm.pipeline.config_help import HELP_WORDS, section_help, sections, short_help
+from gnnlm.pipeline.config_help import requested_help
 from gnnlm.pipeline.rows import HEAD_CONFIGS, learned_wds_row
 from gnnlm.retrieval.settings import (
     DEFAULT_KS,
@@ -404,10 +404,6 @@ class PipelineConfig:
         return self.workdir
 
 
-# what each section of a pipeline config is for, one line each (``--help`` lists them)
-SECTIONS = sections(PipelineConfig)
-
-
 def config_parser(prog: str = "gnnlm pipeline", description: Optional[str] = None):
     """The jsonargparse parser of a pipeline YAML (``-c``) and ``--section.field=value`` flags.
 
@@ -422,16 +418,11 @@ def config_parser(prog: str = "gnnlm pipeline", description: Optional[str] = Non
 
             given = args[0] if args else kwargs.get("args")
             words = list(sys.argv[1:] if given is None else given)
-            for i, word in enumerate(words):
-                if word in HELP_WORDS or word.startswith("--help="):
-                    after = words[i + 1] if i + 1 < len(words) else ""
-                    section = (word.split("=", 1)[1] if "=" in word
-                               else after if word == "--help" and after in SECTIONS else None)
-                    print(self.format_help() if word == "--help-all"
-                          else section_help(prog, section, PipelineConfig)
-                          if section is not None
-                          else short_help(self, prog, description, PipelineConfig))
-                    raise SystemExit(0)
+            shown = requested_help(words, prog, description, PipelineConfig,
+                                   options=lambda: self, help_all=self.format_help)
+            if shown is not None:
+                print(shown)
+                raise SystemExit(0)
             return super().parse_args(*args, **kwargs)
 
     # errors are raised, not printed with the whole usage: the command prints one line

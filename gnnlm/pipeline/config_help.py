@@ -12,10 +12,36 @@ from __future__ import annotations
 import inspect
 import textwrap
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, Optional
 
 HELP_WORDS = ("-h", "--help", "--help-all")
+
+
+def asks_for_help(words: list[str]) -> bool:
+    """Whether a command line asks for help, wherever on it: ``-h``, ``--help``,
+    ``--help=SECTION``, ``--help-all``."""
+    return any(word in HELP_WORDS or word.startswith("--help=") for word in words)
+
+
+def requested_help(words: list[str], prog: str, description: Optional[str], config: type,
+                   options: Callable[[], Any], help_all: Callable[[], str]) -> Optional[str]:
+    """The help the first help word of a command line asks for, or ``None`` when it asks for
+    none: ``--help=SECTION`` or ``--help SECTION`` a section's, ``--help-all`` the whole parser's
+    (``help_all``), ``-h``/``--help`` the short help. ``options`` gives a parser that holds the
+    command's own options (those besides the config's, listed by the short help); both are
+    called only when needed, so that help needs no more than it shows."""
+    named = sections(config)
+    for i, word in enumerate(words):
+        if word in HELP_WORDS or word.startswith("--help="):
+            after = words[i + 1] if i + 1 < len(words) else ""
+            section = (word.split("=", 1)[1] if "=" in word
+                       else after if word == "--help" and after in named else None)
+            return (help_all() if word == "--help-all"
+                    else section_help(prog, section, config) if section is not None
+                    else short_help(options(), prog, description, config))
+    return None
 
 
 def google_args(cls: type) -> tuple[str, dict[str, str]]:
