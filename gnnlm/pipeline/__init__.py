@@ -4,6 +4,7 @@
 - ``config_files``: ``gnnlm fit`` YAMLs read and merged as LightningCLI merges them;
 - ``config_checks``: the checks at load that span several files, and the machine's;
 - ``config_help``: the short ``--help`` and ``--help=SECTION``;
+- ``arguments``: the commands' help, answered without importing their modules;
 - ``stages``: every stage in order, each skipped when its artifact is complete;
 - ``stage_times``: the wall time of each stage of a run (``stage_times.json``);
 - ``runner``: the trained parts (base LM and heads) through LightningCLI;
