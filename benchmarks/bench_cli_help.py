@@ -2,7 +2,7 @@
 second: the help of every command comes from light modules (``gnnlm.pipeline.arguments`` for the
 commands that read a pipeline config), never from torch, faiss or transformers.
 
-    python benchmarks/bench_cli_help.py [--repeats 5] [--json out.json]
+    python benchmarks/bench_cli_help.py [--repeats 5] [--json out.json] [--repo CHECKOUT]
 
 For each command line, the median over ``--repeats`` runs of the wall time and of the CPU time
 (user + system) of ``python -m gnnlm.cli ...``; on a busy machine the wall time exceeds the CPU
@@ -26,11 +26,12 @@ COMMAND_LINES = [["--help"], ["pipeline", "--help"], ["pipeline", "--help=knn"],
                  ["generate", "--help"], ["verify", "--help"]]
 
 
-def timed(args: list[str]) -> tuple[float, float]:
-    """(wall, CPU) seconds of one ``gnnlm`` run in a fresh interpreter."""
+def timed(args: list[str], repo: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``gnnlm`` run in a fresh interpreter, with ``repo``'s code
+    (``python -m`` puts the current directory first on the path)."""
     before = os.times()
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "gnnlm.cli", *args], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "-m", "gnnlm.cli", *args], cwd=repo, check=True,
                    stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     after = os.times()
@@ -42,10 +43,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, help="also write the medians here")
+    parser.add_argument("--repo", type=Path, default=REPO,
+                        help="the checkout whose gnnlm is timed (another commit's, to compare)")
     args = parser.parse_args()
     rows = []
     for line in COMMAND_LINES:
-        runs = [timed(line) for _ in range(args.repeats)]
+        runs = [timed(line, args.repo) for _ in range(args.repeats)]
         wall = statistics.median(w for w, _ in runs)
         cpu = statistics.median(c for _, c in runs)
         rows.append({"command": " ".join(["gnnlm", *line]), "wall_s": wall, "cpu_s": cpu})
