@@ -36,6 +36,10 @@ class GnnlmCLI(LightningCLI):
                               apply_on="instantiate")
         parser.link_arguments("data.base_lm_options", "model.init_args.base_lm_options",
                               apply_on="instantiate")
+        # the other way, when the config is parsed: the base LM's tokens are served as
+        # Transformer-XL segments when the model carries memory (skipped where either lacks it)
+        parser.link_arguments("model.init_args.memory_length", "data.init_args.memory_length",
+                              apply_on="parse")
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         """The config's trainer, with the callback that hands the model the work directory's

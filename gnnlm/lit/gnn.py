@@ -30,6 +30,7 @@ from gnnlm.gnn.graph import METADATA, GraphConfig
 from gnnlm.gnn.layer import GNNStack
 from gnnlm.gnn.window_states import NodeFeatures, WindowStates
 from gnnlm.lit.base import TokenLevelModule
+from gnnlm.lit.settings import OptimConfig
 from gnnlm.models.base import float32
 from gnnlm.utils.metrics import target_nll
 
@@ -42,8 +43,8 @@ class GNNLM(TokenLevelModule):
                  norm: Literal["none", "pre", "post"] = "none",
                  edge_aggr: Literal["sum", "mean"] = "sum",
                  kind: Literal["gnnlm", "hgt"] = "gnnlm", impl: Literal["dense", "pyg"] = "dense",
-                 zero_init_output: bool = True, lr: float = 5e-4, weight_decay: float = 0.01,
-                 warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+                 zero_init_output: bool = True,
+                 optim: OptimConfig = OptimConfig(lr=5e-4, weight_decay=0.01),
                  max_windows: Optional[int] = None,
                  graph_layout: Optional[GraphConfig] = None):
         """GNN-LM over the retrieval graph, read out by the base LM's frozen softmax.
@@ -62,10 +63,7 @@ class GNNLM(TokenLevelModule):
             impl: run on the graphs' regular layout (``dense``) or by message passing (``pyg``).
             zero_init_output: start each layer's W^o at zero: the stack is then the identity and
                 the model starts as the base LM (without ``norm='post'``).
-            lr: the peak learning rate of AdamW.
-            weight_decay: AdamW's decoupled weight decay (matrices only).
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            optim: AdamW and its warmup + cosine schedule.
             max_windows: the most retrieved windows whose states evaluation keeps (None: one
                 per train position; see ``gnnlm.gnn.window_states``).
             graph_layout: the graphs' window sizes, inter edges and ctx window (linked from the
@@ -80,6 +78,9 @@ class GNNLM(TokenLevelModule):
             raise ValueError(f"impl='dense' computes GNN-LM layers; use impl='pyg' with "
                              f"kind={kind!r}.")
         self.save_hyperparameters()
+        self.vocab_size, self.feature_dim = vocab_size, feature_dim
+        self.impl, self.max_windows = impl, max_windows
+        self.optim = OptimConfig.of(optim)
         self.gnn = GNNStack(feature_dim, METADATA, num_layers=num_layers, heads=heads,
                             dropout=dropout, norm=norm, edge_aggr=edge_aggr, kind=kind,
                             zero_init_output=zero_init_output, readout=("ctx",))
@@ -109,13 +110,13 @@ class GNNLM(TokenLevelModule):
         states = self._window_states
         if states is None or states.config != dataclasses.replace(self.graph, k=states.config.k):
             states = WindowStates(self.gnn, *self._node_features, self.graph,
-                                  max_windows=self.hparams.max_windows)
+                                  max_windows=self.max_windows)
             self._window_states = states
         return states
 
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
-        if self.hparams.impl == "dense":
+        if self.impl == "dense":
             if self.graph is None:
                 raise RuntimeError("The dense path needs the graphs' layout: pass graph_layout "
                                    "(`gnnlm` links the GraphDataModule's), or set model.graph.")
