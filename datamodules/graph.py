@@ -43,6 +43,7 @@ from datamodules.base import WorkdirDataModule
 from datamodules.sampling import eval_sampler
 from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.pq import PQFeatures, RawFeatures
+from gnnlm.gnn.settings import GraphLayout
 from gnnlm.retrieval.features import open_features
 from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
@@ -77,16 +78,16 @@ class GraphBlocks(Dataset):
         # memmaps, opened lazily in each worker
         self._arrays: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
-    def _open(self):
+    def _open(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         _, feats = open_features(self.workdir.features(self.split))
-        self._arrays = (feats[self.key], feats["targets"], open_array(self.nbr_dir, "ids"))
+        return feats[self.key], feats["targets"], open_array(self.nbr_dir, "ids")
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)
 
     def __getitem__(self, i: int) -> HeteroData:
         if self._arrays is None:
-            self._open()
+            self._arrays = self._open()
         ctx_feats, targets, ids = self._arrays
         ctx_pos = np.arange(i * self.block_size, min((i + 1) * self.block_size, self.n))
         # all K stored neighbours: leaky ones are skipped for the next (train graphs)
@@ -166,6 +167,11 @@ class GraphDataModule(WorkdirDataModule):
                                                  kind="neighbors")
         self.use_features(train_manifest)
         self.n_train = train_manifest["n"]
+
+    @property
+    def graph_layout(self) -> GraphLayout:
+        """What the model is linked with: the graphs' shape without k, which stays here."""
+        return self.graph.layout
 
     def connect(self, predict_split: Optional[str] = None, eval_k: Optional[int] = None) -> None:
         """Settings known only at run time (None: unchanged): ``predict_split``, and

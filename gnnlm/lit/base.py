@@ -96,6 +96,9 @@ class TokenLevelModule(pl.LightningModule):
     def predict_step(self, batch, batch_idx: int) -> dict:
         """Per-token log p(target) with split positions, for reports on exactly the same tokens."""
         nll, mask, positions = self.token_nll(batch, "predict")
+        if positions is None:
+            raise ValueError(f"{type(self).__name__}'s predict batches carry no split positions: "
+                             f"predict needs them to put every score in its place.")
         return predicted_tokens(nll, mask, positions)
 
     def _log_eval(self, stage: str, metric: TokenNLL) -> None:

@@ -28,8 +28,9 @@ class GnnlmCLI(LightningCLI):
                      "retrieved", "stored_k"):   # SPALM: the k the data can serve
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}",
                                   apply_on="instantiate")
-        # GNN-LM: the graphs' layout
-        parser.link_arguments("data.graph", "model.init_args.graph_layout", apply_on="instantiate")
+        # GNN-LM: the graphs' layout (their k stays the data module's)
+        parser.link_arguments("data.graph_layout", "model.init_args.graph_layout",
+                              apply_on="instantiate")
         # heads that run the base LM take the one their datastore was built with
         parser.link_arguments("data.base_lm", "model.init_args.base_lm", apply_on="instantiate")
         parser.link_arguments("data.base_lm_fingerprint", "model.init_args.base_lm_fingerprint",
@@ -48,7 +49,8 @@ class GnnlmCLI(LightningCLI):
         from gnnlm.lit.datastore import AttachDatastore
 
         trainer = super().instantiate_trainer(**kwargs)
-        trainer.callbacks.append(AttachDatastore())
+        # (Lightning sets Trainer.callbacks in a connector, so its type does not declare it)
+        trainer.callbacks.append(AttachDatastore())  # type: ignore[attr-defined]
         return trainer
 
     def parse_arguments(self, parser, args) -> None:

@@ -9,7 +9,8 @@ checkpoints; ``attach_output_embedding`` sets it when the module is used outside
 ``impl="dense"`` runs the layers on the graphs' regular layout (``gnnlm.gnn.dense``), ``"pyg"``
 by message passing over the edges (``GNNLMConv.forward``); both compute the same function with
 the same weights. The window sizes, inter edges and ctx window of that layout are ``graph_layout``,
-the data module's ``graph``, which ``gnnlm fit`` links into the model.
+the data module's ``graph`` without its k (``GraphLayout``), which ``gnnlm fit`` links into the
+model: k has one owner, the data module, and the model reads it from each batch.
 
 Evaluation blocks that name their windows by position (``ctx.retrieved``, the data module's
 ``eval_windows="once"``) are read through ``gnnlm.gnn.window_states.WindowStates``: each retrieved
@@ -19,7 +20,6 @@ weights stay the same. Its node features are attached with ``attach_node_feature
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal, Optional
 
 import torch
@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from gnnlm.gnn.dense import stack_dense, to_dense
 from gnnlm.gnn.graph import METADATA, GraphConfig
 from gnnlm.gnn.layer import GNNStack
+from gnnlm.gnn.settings import GraphLayout
 from gnnlm.gnn.window_states import NodeFeatures, WindowStates
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.lit.settings import OptimConfig
@@ -46,7 +47,7 @@ class GNNLM(TokenLevelModule):
                  zero_init_output: bool = True,
                  optim: OptimConfig = OptimConfig(lr=5e-4, weight_decay=0.01),
                  max_windows: Optional[int] = None,
-                 graph_layout: Optional[GraphConfig] = None):
+                 graph_layout: Optional[GraphLayout] = None):
         """GNN-LM over the retrieval graph, read out by the base LM's frozen softmax.
 
         Args:
@@ -67,9 +68,10 @@ class GNNLM(TokenLevelModule):
             max_windows: the most retrieved windows whose states evaluation keeps (None: one
                 per train position; see ``gnnlm.gnn.window_states``).
             graph_layout: the graphs' window sizes, inter edges and ctx window (linked from the
-                data module's ``graph``; the dense path and evaluation windows need it). Not
-                named ``graph``: Lightning refuses a hyper-parameter the model and the data
-                module both hold, in different forms.
+                data module's ``graph_layout``; the dense path and evaluation windows need it;
+                a ``GraphConfig`` is taken without its k). Not named ``graph``: Lightning
+                refuses a hyper-parameter the model and the data module both hold, in
+                different forms.
         """
         super().__init__()
         if feature_dim <= 0:
@@ -84,9 +86,9 @@ class GNNLM(TokenLevelModule):
         self.gnn = GNNStack(feature_dim, METADATA, num_layers=num_layers, heads=heads,
                             dropout=dropout, norm=norm, edge_aggr=edge_aggr, kind=kind,
                             zero_init_output=zero_init_output, readout=("ctx",))
-        self.graph: Optional[GraphConfig] = (
-            graph_layout if graph_layout is None or isinstance(graph_layout, GraphConfig)
-            else GraphConfig(**graph_layout))
+        # a GraphConfig here (tests, or the data module's graph set by hand) reads as its layout
+        self.graph: Optional[GraphLayout | GraphConfig] = (
+            None if graph_layout is None else GraphLayout.of(graph_layout))
         self._node_features: Optional[tuple[NodeFeatures, int]] = None
         self._window_states: Optional[WindowStates] = None
 
@@ -108,7 +110,7 @@ class GNNLM(TokenLevelModule):
                                "GraphDataModule, or call attach_node_features(...) and set "
                                "model.graph.")
         states = self._window_states
-        if states is None or states.config != dataclasses.replace(self.graph, k=states.config.k):
+        if states is None or states.config != self.graph:
             states = WindowStates(self.gnn, *self._node_features, self.graph,
                                   max_windows=self.max_windows)
             self._window_states = states
