@@ -26,7 +26,8 @@ class AttachDatastore(pl.Callback):
             return
         if (isinstance(pl_module, TokenLevelModule) and pl_module.uses_output_embedding
                 and not pl_module.has_output_embedding and hasattr(data, "output_embedding")):
-            pl_module.attach_output_embedding(*data.output_embedding(),
+            weight, bias = data.output_embedding()
+            pl_module.attach_output_embedding(weight, bias,
                                               getattr(data, "logit_transform", None))
         if (isinstance(pl_module, GNNLM) and not pl_module.has_node_features
                 and hasattr(data, "node_features")):
