@@ -3,8 +3,10 @@ neighbours, PQ codes, tokens) rather than a corpus: the work directory, the one 
 artifacts that are not there yet, the sizes and base LM the CLI links into the model, the base
 LM's output embedding, and the valid/test/predict loaders.
 
-The split that ``predict`` scores is ``predict_split``: the init argument, or what whoever runs
-predict sets (``gnnlm.pipeline.runner`` scores valid and test in turn).
+What is known only when the data module runs, not when it is configured, comes in through one
+method, ``connect`` (as litgpt's data modules take their tokenizer): the split ``predict``
+scores (``gnnlm.pipeline.runner`` scores valid and test in turn with one data module) and, for
+GNN-LM's graphs, the evaluation k.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from gnnlm.models.base import LogitTransform
 from gnnlm.models.encode import stream_tensor
 from gnnlm.retrieval.features import load_output_embedding, open_features
 from gnnlm.workdir.artifacts import ArtifactError
-from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.layout import SPLITS, Workdir
 
 
 class WorkdirDataModule(pl.LightningDataModule):
@@ -32,7 +34,17 @@ class WorkdirDataModule(pl.LightningDataModule):
     def __init__(self, workdir: str, predict_split: str):
         super().__init__()
         self.workdir = Workdir(workdir)
-        self.predict_split = predict_split
+        self.predict_split = ""
+        self.connect(predict_split=predict_split)
+
+    def connect(self, predict_split: Optional[str] = None) -> None:
+        """Settings known only at run time: ``predict_split``, the split ``predict`` scores
+        (None: unchanged)."""
+        if predict_split is not None:
+            if predict_split not in SPLITS:
+                raise ValueError(f"predict_split must be one of {', '.join(SPLITS)} "
+                                 f"(got {predict_split!r}).")
+            self.predict_split = predict_split
 
     @contextlib.contextmanager
     def reading_artifacts(self, what: str) -> Iterator[None]:

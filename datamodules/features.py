@@ -33,7 +33,7 @@ class NeighborValues:
             raise ValueError(f"retrieved={k} neighbour values asked for, but {self.dir} holds "
                              f"K={manifest['K']} per position: choose 1 <= retrieved <= K.")
         self.n = manifest["n"]  # positions covered (train neighbours may cover only a prefix)
-        self._arrays = None  # memmaps open lazily in each worker
+        self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None  # opened in each worker
 
     def __call__(self, positions) -> torch.Tensor:
         """``positions``: a slice or an index array of the split → values ``[..., k]`` int64."""
@@ -56,7 +56,7 @@ class FeatureBlocks(Dataset):
         self.n = n if max_tokens is None else min(n, max_tokens)
         if self.n == 0:
             raise ValueError(f"Split {split!r} has no positions in {workdir.features(split)}.")
-        self._arrays = None  # memmaps open lazily in each worker
+        self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None  # opened in each worker
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)
@@ -97,16 +97,18 @@ class FeatureDataModule(WorkdirDataModule):
             raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
         super().__init__(workdir, predict_split)
         self.save_hyperparameters()
+        self.key, self.metric, self.retrieved, self.block_size = key, metric, retrieved, block_size
+        self.train_tokens, self.eval_tokens = train_tokens, eval_tokens
+        self.num_workers = num_workers
         with self.reading_artifacts("features"):
             self.use_features(self.workdir.features_manifest("train"))
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        hp = self.hparams
-        values = (NeighborValues(self.workdir, hp.key, hp.metric, split, hp.retrieved)
-                  if hp.retrieved else None)
-        data = FeatureBlocks(self.workdir, split, hp.key, hp.block_size, values,
-                             hp.train_tokens if split == "train" else hp.eval_tokens)
-        return DataLoader(data, batch_size=None, shuffle=train, num_workers=hp.num_workers,
+        values = (NeighborValues(self.workdir, self.key, self.metric, split, self.retrieved)
+                  if self.retrieved else None)
+        data = FeatureBlocks(self.workdir, split, self.key, self.block_size, values,
+                             self.train_tokens if split == "train" else self.eval_tokens)
+        return DataLoader(data, batch_size=None, shuffle=train, num_workers=self.num_workers,
                           sampler=None if train else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

@@ -24,8 +24,9 @@ in training: the same numbers, at the cost of one window per retrieval.
 The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger k) is
 ``k_schedule``: ``[[0, 8], [2, 16]]`` uses k=8 from epoch 0 and k=16 from epoch 2; it needs
 ``reload_dataloaders_every_n_epochs: 1``. Evaluation uses ``graph.k``, which must be the
-schedule's last k, unless ``eval_k`` is set: a trained GNN-LM reads any number of windows, and
-``eval_ks`` lists the values ``gnnlm pipeline`` scores on valid to choose the one it reports.
+schedule's last k, unless ``connect(eval_k=...)`` sets another: a trained GNN-LM reads any number
+of windows, and ``eval_ks`` lists the values ``gnnlm pipeline`` scores on valid to choose the one
+it reports. This module is the one owner of k: the model reads the k of each batch.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from datamodules.base import WorkdirDataModule
 from datamodules.sampling import eval_sampler
 from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.pq import PQFeatures, RawFeatures
+from gnnlm.gnn.settings import GraphLayout
 from gnnlm.retrieval.features import open_features
 from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
@@ -73,18 +75,19 @@ class GraphBlocks(Dataset):
         self.n = min(nbr_manifest["n"], max_tokens or nbr_manifest["n"])
         if self.n == 0:
             raise ValueError(f"Split {split!r} has no positions to build graphs from.")
-        self._arrays = None  # memmaps are opened lazily in each worker
+        # memmaps, opened lazily in each worker
+        self._arrays: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
-    def _open(self):
+    def _open(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         _, feats = open_features(self.workdir.features(self.split))
-        self._arrays = (feats[self.key], feats["targets"], open_array(self.nbr_dir, "ids"))
+        return feats[self.key], feats["targets"], open_array(self.nbr_dir, "ids")
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)
 
     def __getitem__(self, i: int) -> HeteroData:
         if self._arrays is None:
-            self._open()
+            self._arrays = self._open()
         ctx_feats, targets, ids = self._arrays
         ctx_pos = np.arange(i * self.block_size, min((i + 1) * self.block_size, self.n))
         # all K stored neighbours: leaky ones are skipped for the next (train graphs)
@@ -136,8 +139,17 @@ class GraphDataModule(WorkdirDataModule):
         super().__init__(workdir, predict_split)
         self.save_hyperparameters()
         self.graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
+        self.key, self.metric, self.block_size = key, metric, block_size
+        self.node_feature_kind = node_features
+        self.leakage_window_given = leakage_window
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.num_workers = num_workers
+        self.train_tokens, self.eval_tokens = train_tokens, eval_tokens
+        self.eval_windows, self.eval_ks = eval_windows, eval_ks
+        self.k_schedule: list[tuple[int, int]] = sorted((int(epoch), int(k))
+                                                        for epoch, k in k_schedule or [])
         if k_schedule:
-            schedule = sorted(tuple(s) for s in k_schedule)
+            schedule = self.k_schedule
             if schedule[0][0] != 0 or schedule[-1][1] != self.graph.k:
                 raise ValueError(f"k_schedule must start at epoch 0 and end with graph.k = "
                                  f"{self.graph.k}, the k evaluation uses (got {k_schedule}).")
@@ -147,7 +159,7 @@ class GraphDataModule(WorkdirDataModule):
         if eval_ks is not None and (not eval_ks or min(eval_ks) < 1):
             raise ValueError(f"eval_ks must list positive numbers of windows per token "
                              f"(got {eval_ks}).")
-        # the k of valid/test graphs (None: graph.k); the pipeline sets it from eval_ks
+        # the k of valid/test graphs (None: graph.k): connect(eval_k=...), one of eval_ks
         self.eval_k: Optional[int] = None
         with self.reading_artifacts("features, neighbours, PQ codes"):
             train_manifest = self.workdir.features_manifest("train")
@@ -156,21 +168,36 @@ class GraphDataModule(WorkdirDataModule):
         self.use_features(train_manifest)
         self.n_train = train_manifest["n"]
 
+    @property
+    def graph_layout(self) -> GraphLayout:
+        """What the model is linked with: the graphs' shape without k, which stays here."""
+        return self.graph.layout
+
+    def connect(self, predict_split: Optional[str] = None, eval_k: Optional[int] = None) -> None:
+        """Settings known only at run time (None: unchanged): ``predict_split``, and
+        ``eval_k``, the windows per token of valid/test graphs (``gnnlm pipeline`` tries each of
+        ``eval_ks`` on valid, then scores with the best)."""
+        super().connect(predict_split=predict_split)
+        if eval_k is not None:
+            if eval_k < 1:
+                raise ValueError(f"eval_k must be a positive number of windows per token "
+                                 f"(got {eval_k}).")
+            self.eval_k = eval_k
+
     # -- pieces ----------------------------------------------------------------------------
-    def node_features(self):
-        if self.hparams.node_features == "pq":
-            return PQFeatures(self.workdir.pq(self.hparams.key))
-        return RawFeatures(self.workdir.features("train"), self.hparams.key)
+    def node_features(self) -> PQFeatures | RawFeatures:
+        if self.node_feature_kind == "pq":
+            return PQFeatures(self.workdir.pq(self.key))
+        return RawFeatures(self.workdir.features("train"), self.key)
 
     def current_k(self, epoch: Optional[int]) -> int:
         """K for a training epoch (when ``epoch`` is None, evaluation's: ``eval_k`` if set, else
         ``graph.k``)."""
         if epoch is None:
             return self.eval_k or self.graph.k
-        if not self.hparams.k_schedule:
+        if not self.k_schedule:
             return self.graph.k
-        schedule = sorted(tuple(s) for s in self.hparams.k_schedule)
-        return max(s for s in schedule if s[0] <= epoch)[1]
+        return max(s for s in self.k_schedule if s[0] <= epoch)[1]
 
     @property
     def leakage_window(self) -> Optional[int]:
@@ -178,28 +205,26 @@ class GraphDataModule(WorkdirDataModule):
         W the train neighbours were masked with, the features' context length). None when
         masking is off: 0 given or recorded (the ablation ``neighbors.leakage_window: 0``), or
         train neighbours recorded as unmasked."""
-        window = (self.hparams.leakage_window if self.hparams.leakage_window is not None
+        window = (self.leakage_window_given if self.leakage_window_given is not None
                   else self.train_neighbors["leakage_window"])
         return window if window else None  # 0 is "no masking", not a rule with C = 0
 
     def dataset(self, split: str, k: Optional[int] = None) -> GraphBlocks:
         """Train blocks with their windows under the leakage rule; valid/test blocks without
         their windows (``eval_windows="once"``) or with one per retrieval."""
-        hp = self.hparams
         graph = dataclasses.replace(self.graph, k=k or self.current_k(None))
         train = split == "train"
-        with_windows = train or hp.eval_windows == "per_retrieval"
-        return GraphBlocks(self.workdir, split, hp.key, hp.metric,
-                           self.node_features() if with_windows else None, hp.block_size, graph,
-                           self.leakage_window if train else None,
-                           hp.train_tokens if train else hp.eval_tokens)
+        with_windows = train or self.eval_windows == "per_retrieval"
+        return GraphBlocks(self.workdir, split, self.key, self.metric,
+                           self.node_features() if with_windows else None, self.block_size,
+                           graph, self.leakage_window if train else None,
+                           self.train_tokens if train else self.eval_tokens)
 
     # -- loaders ---------------------------------------------------------------------------
     def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:
-        hp = self.hparams
         data = self.dataset(split, k)
-        return DataLoader(data, batch_size=hp.batch_size if train else hp.eval_batch_size,
-                          shuffle=train, num_workers=hp.num_workers, persistent_workers=False,
+        return DataLoader(data, batch_size=self.batch_size if train else self.eval_batch_size,
+                          shuffle=train, num_workers=self.num_workers, persistent_workers=False,
                           sampler=None if train else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

@@ -4,7 +4,9 @@
 - valid/test: the sliding-window protocol of ``gnnlm.models.encode`` (context C, stride S), each
   position scored once, so ``val/ppl`` is the split's perplexity under a stated protocol;
 - with a Transformer-XL model (``memory_length > 0``) every split is served as contiguous
-  segments of parallel streams, in order, so memory flows from one batch to the next.
+  segments of parallel streams, in order, so memory flows from one batch to the next. The
+  model's ``memory_length`` is linked into this module when the config is parsed
+  (``gnnlm.lit.cli``): the module never reads the model.
 
 The corpus is tokenized once into ``<workdir>/tokens`` when the module is created, which is
 how ``vocab_size`` is known in time to be linked into the model. ``vocab_fingerprint`` (the
@@ -88,7 +90,7 @@ class LMDataModule(pl.LightningDataModule):
                  eval_context: int = 256, eval_stride: int = 128, batch_size: int = 32,
                  eval_batch_size: int = 32, train_tokens: Optional[int] = None,
                  eval_tokens: Optional[int] = None, num_workers: int = 0,
-                 segments: Optional[bool] = None):
+                 segments: Optional[bool] = None, memory_length: int = 0):
         """A tokenized corpus for base-LM training and evaluation.
 
         Args:
@@ -108,9 +110,15 @@ class LMDataModule(pl.LightningDataModule):
             num_workers: DataLoader worker processes.
             segments: serve contiguous stream segments (None: when the model has memory;
                 True also for a memory model evaluated with its memory switched off).
+            memory_length: the model's Transformer-XL memory M (linked from the model's
+                ``memory_length``; 0: none).
         """
         super().__init__()
         self.save_hyperparameters()
+        self.block_size, self.eval_context, self.eval_stride = block_size, eval_context, eval_stride
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.train_tokens, self.eval_tokens = train_tokens, eval_tokens
+        self.num_workers, self.segments, self.memory_length = num_workers, segments, memory_length
         self.store: TokenStore = build_tokens(Workdir(workdir).tokens, corpus, corpus_path,
                                               data_dir, tokenizer)
         self.vocab_size = self.store.vocab_size
@@ -120,47 +128,42 @@ class LMDataModule(pl.LightningDataModule):
     def scoring_protocol(self, memory: int = 0) -> Protocol:
         """How valid/test are scored by a model with ``memory`` cached states: sliding windows,
         or segments of eval_batch_size x processes streams (a memory model)."""
-        hp = self.hparams
         if self._memory_model():
-            return protocols.segments(hp.block_size, hp.eval_batch_size * self._world(), memory)
-        return protocols.sliding_window(hp.eval_context, hp.eval_stride)
+            return protocols.segments(self.block_size, self.eval_batch_size * self._world(),
+                                      memory)
+        return protocols.sliding_window(self.eval_context, self.eval_stride)
 
     def stream(self, split: str) -> torch.Tensor:
         tokens = self.store.split(split)
-        limit = self.hparams.train_tokens if split == "train" else self.hparams.eval_tokens
+        limit = self.train_tokens if split == "train" else self.eval_tokens
         return stream_tensor(np.asarray(tokens[:limit]), self.store.bos_id)
 
     def _memory_model(self) -> bool:
-        if self.hparams.segments is not None:
-            return self.hparams.segments
-        # The one read of the model: how its tokens are served depends on whether it carries
-        # memory, and CLI links run from data to model only (its sizes come from here).
-        model = self.trainer.lightning_module if self.trainer else None
-        return getattr(model, "memory_length", 0) > 0
+        return self.segments if self.segments is not None else self.memory_length > 0
 
     def _world(self) -> int:
         return self.trainer.world_size if self.trainer else 1
 
     def _segments(self, split: str, batch_size: int) -> StreamSegments:
-        return StreamSegments(self.stream(split), batch_size * self._world(),
-                              self.hparams.block_size)
+        return StreamSegments(self.stream(split), batch_size * self._world(), self.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
         if self._memory_model():
-            return DataLoader(self._segments("train", hp.batch_size), batch_size=hp.batch_size,
-                              shuffle=False, num_workers=hp.num_workers)
-        return DataLoader(Blocks(self.stream("train"), hp.block_size), batch_size=hp.batch_size,
-                          shuffle=True, num_workers=hp.num_workers, drop_last=True)
+            return DataLoader(self._segments("train", self.batch_size),
+                              batch_size=self.batch_size, shuffle=False,
+                              num_workers=self.num_workers)
+        return DataLoader(Blocks(self.stream("train"), self.block_size),
+                          batch_size=self.batch_size, shuffle=True,
+                          num_workers=self.num_workers, drop_last=True)
 
     def _eval_loader(self, split: str) -> DataLoader:
-        hp = self.hparams
+        data: StreamSegments | SlidingWindows
         if self._memory_model():
-            data = self._segments(split, hp.eval_batch_size)
+            data = self._segments(split, self.eval_batch_size)
         else:
-            data = SlidingWindows(self.stream(split), hp.eval_context, hp.eval_stride)
-        return DataLoader(data, batch_size=hp.eval_batch_size, shuffle=False,
-                          num_workers=hp.num_workers, sampler=eval_sampler(self, data))
+            data = SlidingWindows(self.stream(split), self.eval_context, self.eval_stride)
+        return DataLoader(data, batch_size=self.eval_batch_size, shuffle=False,
+                          num_workers=self.num_workers, sampler=eval_sampler(self, data))
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("valid")

@@ -27,7 +27,7 @@ from gnnlm.workdir.layout import SPLITS
 class WithNeighborValues(Dataset):
     """Items of ``data`` (which carry ``positions``) plus ``nbr_values [T, k]``."""
 
-    def __init__(self, data: Dataset, values: NeighborValues):
+    def __init__(self, data: Blocks | SlidingWindows, values: NeighborValues):
         self.data, self.values = data, values
 
     def __len__(self) -> int:
@@ -65,6 +65,9 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
         """
         super().__init__(workdir, predict_split)
         self.save_hyperparameters()
+        self.key, self.metric, self.retrieved, self.block_size = key, metric, retrieved, block_size
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.train_tokens, self.num_workers = train_tokens, num_workers
         with self.reading_artifacts("tokens, features, neighbours"):
             self.manifests = {s: self.workdir.features_manifest(s) for s in SPLITS}
             tokens = read_manifest(self.workdir.tokens, kind="tokens")
@@ -83,21 +86,20 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
         return protocols.sliding_window(self.context, self.stride, self.window_bos is not None)
 
     def _values(self, split: str) -> NeighborValues:
-        hp = self.hparams
-        return NeighborValues(self.workdir, hp.key, hp.metric, split, hp.retrieved)
+        return NeighborValues(self.workdir, self.key, self.metric, split, self.retrieved)
 
     def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
         values = self._values("train")
-        n = values.n if hp.train_tokens is None else hp.train_tokens
+        n = values.n if self.train_tokens is None else self.train_tokens
         if n > values.n:
             raise ValueError(f"train_tokens={n} but the train neighbours in {values.dir} cover "
                              f"only the first {values.n} positions: lower train_tokens or build "
                              f"neighbours for more train queries.")
-        blocks = Blocks(self.token_stream("train", n, self.bos_id), hp.block_size, self.window_bos)
+        blocks = Blocks(self.token_stream("train", n, self.bos_id), self.block_size,
+                        self.window_bos)
         data = WithNeighborValues(blocks, values)
-        return DataLoader(data, batch_size=hp.batch_size, shuffle=True, drop_last=True,
-                          num_workers=hp.num_workers)
+        return DataLoader(data, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)
 
     def eval_dataloader(self, split: str) -> DataLoader:
         values = self._values(split)
@@ -108,5 +110,5 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
         windows = SlidingWindows(self.token_stream(split, n, self.bos_id), self.context,
                                  self.stride, self.window_bos)
         data = WithNeighborValues(windows, values)
-        return DataLoader(data, batch_size=self.hparams.eval_batch_size, shuffle=False,
-                          num_workers=self.hparams.num_workers, sampler=eval_sampler(self, data))
+        return DataLoader(data, batch_size=self.eval_batch_size, shuffle=False,
+                          num_workers=self.num_workers, sampler=eval_sampler(self, data))

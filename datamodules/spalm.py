@@ -35,15 +35,18 @@ from gnnlm.workdir.layout import SPLITS
 
 class SegmentsWithValues(StreamSegments):
     """``StreamSegments`` items plus, with ``values``, ``nbr_values [T, k]`` (-1 = none or
-    padding)."""
+    padding), and ``split``, the split's name: SPALM's predict records its k curve on valid
+    only (``gnnlm.lit.spalm``)."""
 
     def __init__(self, stream: torch.Tensor, n_streams: int, segment: int,
-                 values: Optional[NeighborValues] = None):
+                 values: Optional[NeighborValues] = None, split: Optional[str] = None):
         super().__init__(stream, n_streams, segment)
-        self.values = values
+        self.values, self.split = values, split
 
     def __getitem__(self, i: int) -> dict:
         item = super().__getitem__(i)
+        if self.split is not None:
+            item["split"] = self.split
         positions = item["positions"]
         scored = positions >= 0
         if self.values is not None:
@@ -85,6 +88,9 @@ class SpalmDataModule(WorkdirDataModule):
             raise ValueError(f"eval_streams must be >= 1 (got {eval_streams}).")
         super().__init__(workdir, predict_split)
         self.save_hyperparameters()
+        self.key, self.metric, self.block_size = key, metric, block_size
+        self.batch_size, self.eval_streams = batch_size, eval_streams
+        self.train_tokens, self.num_workers = train_tokens, num_workers
         with self.reading_artifacts("tokens, features, train neighbours"):
             self.manifests = {s: self.workdir.features_manifest(s) for s in SPLITS}
             tokens = read_manifest(self.workdir.tokens, kind="tokens")
@@ -102,7 +108,7 @@ class SpalmDataModule(WorkdirDataModule):
     def n_positions(self, split: str) -> int:
         """Positions served for ``split``: the covered train prefix, or every valid/test one."""
         if split == "train":
-            asked = self.hparams.train_tokens
+            asked = self.train_tokens
             if asked is not None and not 0 < asked <= self.train_covered:
                 raise ValueError(f"train_tokens={asked} but the train neighbours cover only the "
                                  f"first {self.train_covered} positions: lower train_tokens or "
@@ -112,13 +118,12 @@ class SpalmDataModule(WorkdirDataModule):
 
     def scoring_protocol(self, memory: int) -> Protocol:
         """How valid/test are scored by a model with ``memory`` cached states per layer."""
-        return protocols.segments(self.hparams.block_size, self.hparams.eval_streams, memory)
+        return protocols.segments(self.block_size, self.eval_streams, memory)
 
     def _values(self, split: str) -> Optional[NeighborValues]:
-        hp = self.hparams
-        if not hp.retrieved:
+        if not self.retrieved:
             return None
-        values = NeighborValues(self.workdir, hp.key, hp.metric, split, hp.retrieved)
+        values = NeighborValues(self.workdir, self.key, self.metric, split, self.retrieved)
         if split != "train" and values.n != self.n_positions(split):
             raise ArtifactError(f"{values.dir} covers {values.n} positions but the {split} "
                                 f"features hold {self.n_positions(split)}: rebuild the "
@@ -127,7 +132,7 @@ class SpalmDataModule(WorkdirDataModule):
 
     def segments(self, split: str, n_streams: int) -> SegmentsWithValues:
         stream = self.token_stream(split, self.n_positions(split), self.bos_id)
-        return SegmentsWithValues(stream, n_streams, self.hparams.block_size, self._values(split))
+        return SegmentsWithValues(stream, n_streams, self.block_size, self._values(split), split)
 
     def _loader(self, split: str) -> DataLoader:
         """Rank r of W reads items r, r + W, … (streams r, r + W, … of every segment), in
@@ -135,10 +140,10 @@ class SpalmDataModule(WorkdirDataModule):
         Train reads batch_size x W streams; valid/test read eval_streams whatever W is."""
         world = self.trainer.world_size if self.trainer is not None else 1
         if split == "train":
-            batch_size = self.hparams.batch_size
+            batch_size = self.batch_size
             n_streams = batch_size * world
         else:
-            n_streams = self.hparams.eval_streams
+            n_streams = self.eval_streams
             if n_streams % world:
                 raise ValueError(f"data.eval_streams = {n_streams} must be a multiple of the "
                                  f"{world} processes (each reads as many streams): set it to "
@@ -146,7 +151,7 @@ class SpalmDataModule(WorkdirDataModule):
             batch_size = n_streams // world
         data = self.segments(split, n_streams)
         return DataLoader(data, batch_size=batch_size, shuffle=False,
-                          num_workers=self.hparams.num_workers,
+                          num_workers=self.num_workers,
                           sampler=None if split == "train" else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

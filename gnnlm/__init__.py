@@ -14,8 +14,9 @@ from typing import Any
 
 # the configuration classes a checkpoint may hold register themselves where they are defined
 # (gnnlm.workdir.checkpoints.checkpoint_safe): importing them here fills the registry whatever
-# module a process imports first. Both are standard library only.
+# module a process imports first. All are standard library only.
 import gnnlm.gnn.settings  # noqa: F401
+import gnnlm.lit.settings  # noqa: F401
 import gnnlm.text.settings  # noqa: F401
 
 # what ``gnnlm.<name>`` gives, imported (with torch, faiss) when first asked for

@@ -17,7 +17,13 @@ from fakes import save_lm_checkpoint
 
 from gnnlm.gnn.graph import GraphConfig
 from gnnlm.text.tokens import TokenizerConfig
-from gnnlm.workdir.checkpoints import CheckpointError, datamodule_args, load_checkpoint, model_state
+from gnnlm.workdir.checkpoints import (
+    CheckpointError,
+    datamodule_args,
+    load_checkpoint,
+    model_state,
+    plain_classes,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +70,8 @@ def test_malicious_payload_in_a_base_lm_checkpoint_is_refused(tmp_path):
     from gnnlm.models import load_base_lm
 
     path, _ = save_lm_checkpoint(tmp_path / "lm.ckpt", n_layer=1)
-    checkpoint = torch.load(path, weights_only=True)
+    with torch.serialization.safe_globals(plain_classes()):  # read whole: it is rewritten
+        checkpoint = torch.load(path, weights_only=True)
     marker = tmp_path / "pwned"
     checkpoint["hyper_parameters"]["dropout"] = ShellPayload(marker)
     torch.save(checkpoint, path)

@@ -115,8 +115,10 @@ def test_feature_data_without_retrieval_and_with_prefixes(work):
     assert torch.cat([b["positions"] for b in valid]).tolist() == list(range(70))
     att = open_array(wd.features("valid"), "att")
     np.testing.assert_array_equal(valid[0]["h"].numpy(), np.asarray(att[:50], np.float32))
-    dm.predict_split = "valid"
+    dm.connect(predict_split="valid")
     assert len(dm.predict_dataloader().dataset) == 2
+    with pytest.raises(ValueError, match="predict_split must be one of train, valid, test"):
+        dm.connect(predict_split="dev")
 
 
 def test_feature_data_refuses_more_values_than_retrieved_and_missing_work(work, tmp_path):
@@ -253,9 +255,13 @@ def test_k_schedule_picks_k_per_epoch(work):
         ranks = torch.cat([b["nbr"].rank for b in loader])
         assert ranks.max().item() == k - 1
     assert dm.val_dataloader().dataset.graph.k == 6
-    dm.eval_k = 4                                                     # a trained model reads any k
+    dm.connect(eval_k=4)                                     # a trained model reads any k
     assert dm.val_dataloader().dataset.graph.k == 4
     assert dm.train_dataloader().dataset.graph.k == 6
+    dm.connect(predict_split="valid")                        # other settings stay as they were
+    assert dm.eval_k == 4 and dm.predict_split == "valid"
+    with pytest.raises(ValueError, match="eval_k must be a positive number"):
+        dm.connect(eval_k=0)
 
 
 def test_graph_data_refuses_bad_schedules_and_k(work):

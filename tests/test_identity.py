@@ -170,12 +170,13 @@ def test_a_trained_part_recorded_with_its_yaml_texts_is_reused_by_value(work, ca
     assert "skipped (complete)" in capsys.readouterr().err
 
     overlay = wd.root.parent / "lr.yaml"
-    overlay.write_text("model:\n  init_args:\n    lr: 0.01\n")
+    overlay.write_text("model:\n  init_args:\n    optim:\n      lr: 0.01\n")
     with pytest.raises(ArtifactError) as err:
         fit_with_cli(wd, "lm", [*split, str(overlay)], {}, predict=False)
     assert str(err.value) == (
         f"{wd.model('lm')} holds a trained_model made with other settings than this run asks for: "
-        f"config.values.model.init_args.lr: (none) → 0.01. Use another work directory, delete "
+        f"config.values.model.init_args.optim.lr: (none) → 0.01. Use another work directory, "
+        f"delete "
         f"the folder, or rerun with --rebuild=[lm], which rebuilds it and every stage that "
         f"reads it.")
     assert read_manifest(wd.model("lm")) == old

@@ -289,6 +289,9 @@ def test_a_head_that_predicts_nan_is_refused():
             super().__init__()
             self.save_hyperparameters({"predict_split": None})
 
+        def connect(self, predict_split=None):
+            pass
+
         def predict_dataloader(self):
             return DataLoader(torch.arange(5), batch_size=2)
 

@@ -13,6 +13,7 @@ from test_gnn_dense import D_MODEL, batch_of_graphs
 from torch_geometric.data import Batch
 
 from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
+from gnnlm.gnn.settings import GraphLayout
 from gnnlm.lit.gnn import GNNLM
 
 V = 23
@@ -171,7 +172,8 @@ def test_gnnlm_fit_links_the_layout_and_attaches_the_datastore(work, tmp_path):
                          "--trainer.enable_model_summary=false",
                          f"--trainer.default_root_dir={tmp_path}"])
     model, data = cli.model, cli.datamodule
-    assert model.graph == data.graph == GraphConfig(left=1, right=0, k=3)
+    assert data.graph == GraphConfig(left=1, right=0, k=3)        # k has one owner: the data
+    assert model.graph == model.hparams.graph_layout == GraphLayout(left=1, right=0)
     assert (model.hparams.vocab_size, model.hparams.feature_dim) == (V, D_MODEL)
     assert not model.has_output_embedding and not model.has_node_features
     assert sum(isinstance(c, AttachDatastore) for c in cli.trainer.callbacks) == 1

@@ -19,6 +19,9 @@ class Positions(pl.LightningDataModule):
         super().__init__()
         self.n, self.eval_k, self.predict_split = n, eval_k, "valid"
 
+    def connect(self, predict_split=None):
+        self.predict_split = predict_split or self.predict_split
+
     def predict_dataloader(self):
         return DataLoader(torch.arange(self.n), batch_size=5)
 
@@ -29,7 +32,6 @@ class Uniform(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
-        self.predict_split = "valid"
 
     def predict_step(self, batch, batch_idx):
         return {"positions": batch, "logprob": torch.full((len(batch),), -np.log(10.0))}

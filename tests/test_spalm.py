@@ -12,6 +12,7 @@ import pytest
 import torch
 from fakes import save_lm_checkpoint, write_features
 
+from gnnlm.lit.settings import OptimConfig
 from gnnlm.lit.spalm import check_k_curve
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.retrieval.index import IndexConfig, build_index
@@ -285,7 +286,7 @@ def _module(work, **kw):
 
     _, ckpt, fingerprint = work
     args = dict(base_lm=ckpt, base_lm_fingerprint=fingerprint, vocab_size=V, k=4,
-                memory_length=5, lr=1e-2, warmup_steps=1)
+                memory_length=5, optim=OptimConfig(lr=1e-2, warmup_steps=1))
     return SpalmXL(**{**args, **kw})
 
 
@@ -375,9 +376,10 @@ def test_the_gate_trains_at_its_own_rate_in_the_same_groups_as_before(work):
     from gnnlm.lit.optim import warmup_cosine
 
     for kw in ({}, {"memory_scale": "learned", "gate_bias": 0.0}, {"k": 0}, {"gate_lr": None}):
-        model = _module(work, **{"gate_lr": 3e-2, "weight_decay": 0.1, "warmup_steps": 3, **kw})
+        model = _module(work, **{"gate_lr": 3e-2, "optim": OptimConfig(
+            lr=1e-2, weight_decay=0.1, warmup_steps=3), **kw})
         model._trainer = SimpleNamespace(estimated_stepping_batches=20)
-        hp = model.hparams
+        hp = SimpleNamespace(**vars(model.hparams["optim"]), gate_lr=model.hparams["gate_lr"])
         # the construction SpalmXL had before it used gnnlm.lit.optim
         gate = set(model.model.memory_parameters())
         groups = []

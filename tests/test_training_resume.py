@@ -45,8 +45,9 @@ model:
     n_head: 1
     d_model: 8
     d_ff: 16
-    lr: {lr}
-    warmup_steps: 2
+    optim:
+      lr: {lr}
+      warmup_steps: 2
 data:
   class_path: datamodules.lm.LMDataModule
   init_args:
@@ -185,7 +186,7 @@ def test_another_config_never_resumes_a_foreign_checkpoint(monkeypatch, tmp_path
     assert list((tmp_path / "work" / "logs" / "lm" / "resume").glob("*/last.ckpt"))
     manifest, steps, said = fit(monkeypatch, tmp_path, lr=0.02)    # another fingerprint
     assert "resuming" not in said and steps == STEPS
-    assert manifest["config"]["values"]["model"]["init_args"]["lr"] == 0.02
+    assert manifest["config"]["values"]["model"]["init_args"]["optim"]["lr"] == 0.02
 
 
 def test_a_redirected_fit_writes_progress_lines(uninterrupted):

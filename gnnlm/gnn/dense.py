@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from gnnlm.gnn.graph import CTX_INTRA, NBR_INTER, NBR_INTRA, GraphConfig
 from gnnlm.gnn.layer import GNNLMConv, GNNStack
+from gnnlm.gnn.settings import GraphLayout
 from gnnlm.utils.tensor_digest import tensor_digest
 
 
@@ -55,7 +56,8 @@ class DenseGraph:
         return allowed[None, None] & self.ctx_mask[:, None, None, :]
 
 
-def context_layout(ctx_mask: Tensor, retrieved: Tensor, config: GraphConfig) -> DenseGraph:
+def context_layout(ctx_mask: Tensor, retrieved: Tensor,
+                   config: GraphConfig | GraphLayout) -> DenseGraph:
     """The layout of blocks without window nodes (``build_context_graph``'s): tokens
     ``ctx_mask`` [B, T] that retrieved the train positions ``retrieved`` [B, T, k] (-1: none),
     whose windows ``gnnlm.gnn.window_states`` supplies."""
@@ -64,7 +66,8 @@ def context_layout(ctx_mask: Tensor, retrieved: Tensor, config: GraphConfig) -> 
     return DenseGraph(ctx_mask, no_nodes, config.left, config.inter, config.ctx_window, retrieved)
 
 
-def to_dense(batch, config: GraphConfig, x_key: str = "x") -> tuple[Tensor, Tensor, DenseGraph]:
+def to_dense(batch, config: GraphConfig | GraphLayout, x_key: str = "x"
+             ) -> tuple[Tensor, Tensor, DenseGraph]:
     """A (batched) HeteroData from ``gnnlm.gnn.graph.build_graph`` in the regular layout:
     ``(ctx [B, T, d], nbr [B, T, k, w, d], DenseGraph)``. Node features are ``x_key``. The window
     sizes, inter edges and ctx window are ``config``'s; k is the batch's (``nbr.rank`` + 1), so

@@ -53,6 +53,42 @@ class GraphConfig:
         """Nodes in one unclipped neighbour window."""
         return self.left + self.right + 1
 
+    @property
+    def layout(self) -> GraphLayout:
+        """The graph's shape without k: what a model that reads these graphs needs to know."""
+        return GraphLayout(left=self.left, right=self.right, ctx_window=self.ctx_window,
+                           inter=self.inter)
+
+
+@checkpoint_safe()
+@dataclass
+class GraphLayout:
+    """The shape of the retrieval graph that the GNN-LM model reads (``GraphConfig`` without k):
+    window sizes, ctx window and inter edges. k stays the data module's: the model reads it
+    from each batch, so one model serves a k curriculum and any evaluation k. Checkpoint-safe:
+    a GNN-LM checkpoint saves it among the model's hyper-parameters.
+
+    Args:
+        left: tokens kept before each retrieved one.
+        right: tokens kept after each retrieved one.
+        ctx_window: causal edges only from the last ``ctx_window`` tokens of the block.
+        inter: which window nodes send to the token that retrieved the window.
+    """
+    left: int = 1
+    right: int = 1
+    ctx_window: Optional[int] = None
+    inter: Literal["window", "retrieved"] = "window"
+
+    @classmethod
+    def of(cls, value: GraphLayout | GraphConfig | dict) -> GraphLayout:
+        """``value``'s layout: a ``GraphConfig`` (checkpoints written before the layout left
+        k out hold one) or a dict (hyper-parameters read back from YAML) loses its k."""
+        if isinstance(value, GraphLayout):
+            return value
+        if isinstance(value, GraphConfig):
+            return value.layout
+        return cls(**{k: v for k, v in dict(value).items() if k != "k"})
+
 
 @dataclass
 class PQConfig:

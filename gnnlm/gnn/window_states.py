@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from gnnlm.gnn.dense import DenseGraph, ctx_update, fold, window_update
 from gnnlm.gnn.graph import NBR_INTER, GraphConfig
 from gnnlm.gnn.layer import GNNLMConv, GNNStack
+from gnnlm.gnn.settings import GraphLayout
 from gnnlm.utils.tensor_digest import tensor_digest
 
 NodeFeatures = Callable[[np.ndarray], np.ndarray]  # train positions [n] -> float32 [n, d]
@@ -59,7 +60,7 @@ class WindowStates:
     """
 
     def __init__(self, stack: GNNStack, node_features: NodeFeatures, n_train: int,
-                 config: GraphConfig, max_windows: Optional[int] = None,
+                 config: GraphConfig | GraphLayout, max_windows: Optional[int] = None,
                  windows_per_step: int = 16384):
         if stack.kind != "gnnlm":
             raise ValueError(f"window states are GNNLMConv layers' (got kind={stack.kind!r}).")

@@ -3,12 +3,15 @@
 Subclasses implement ``token_nll(batch, stage) -> (nll, mask, positions)``; this class turns it
 into the training loss, token-weighted ``val/ppl``/``test/ppl`` (exp(Σ NLL / Σ tokens), reduced
 across DDP ranks), per-token log-probabilities from ``predict``, and the AdamW + warmup/cosine
-optimiser over the trainable parameters (``lr_groups`` names those trained at their own rate).
+optimiser of its ``OptimConfig`` over the trainable parameters (``lr_groups`` names those
+trained at their own rate).
 
 Nothing here reads the data module: what a model needs from the data comes in as init
-arguments (linked by ``gnnlm.lit.cli``) or, for arrays, through ``attach_output_embedding``
-(``gnnlm.lit.datastore``); the split a predict run scores is ``predict_split``, set by whoever
-runs it.
+arguments (linked by ``gnnlm.lit.cli``), for arrays through ``attach_output_embedding``
+(``gnnlm.lit.datastore``), and per batch in the batch itself.
+
+Every init argument is saved (``save_hyperparameters``, so a checkpoint rebuilds the model), and
+the ones the module reads are kept as typed attributes too: the code reads those.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import pytorch_lightning as pl
 import torch
 
 from gnnlm.lit.optim import adamw_warmup_cosine
+from gnnlm.lit.settings import OptimConfig
 from gnnlm.models.base import LogitTransform
 from gnnlm.utils.metrics import TokenNLL
 
@@ -30,21 +34,22 @@ def predicted_tokens(nll: torch.Tensor, mask: torch.Tensor, positions: torch.Ten
 
 
 class TokenLevelModule(pl.LightningModule):
-    """Needs hparams ``lr``, ``weight_decay``, ``warmup_steps``, ``min_lr_ratio``.
+    """Subclasses take ``optim: OptimConfig`` and set ``self.optim`` (``OptimConfig.of``).
 
-    Heads on frozen features set ``uses_output_embedding = True``: the base LM's output embedding
-    is then set with ``attach_output_embedding`` (by ``gnnlm.lit.datastore.AttachDatastore`` in
-    a ``gnnlm`` command) into non-persistent buffers ``out_weight`` / ``out_bias``, kept out of
-    checkpoints.
+    Heads on frozen features set ``uses_output_embedding = True`` and ``vocab_size`` /
+    ``feature_dim``: the base LM's output embedding is then set with
+    ``attach_output_embedding`` (by ``gnnlm.lit.datastore.AttachDatastore`` in a ``gnnlm``
+    command) into non-persistent buffers ``out_weight`` / ``out_bias``, kept out of checkpoints.
     """
     uses_output_embedding = False
+    optim: OptimConfig
+    vocab_size: int = 0
+    feature_dim: int = 0
 
     def __init__(self):
         super().__init__()
         self.val_nll, self.test_nll = TokenNLL(), TokenNLL()
         self.logit_transform = LogitTransform()  # the base LM's scale and soft-cap, with W
-        # the split a predict run scores: whoever runs predict sets it (gnnlm.pipeline.runner)
-        self.predict_split = "test"
         if self.uses_output_embedding:
             self.register_buffer("out_weight", torch.empty(0), persistent=False)
             self.register_buffer("out_bias", torch.empty(0), persistent=False)
@@ -52,10 +57,9 @@ class TokenLevelModule(pl.LightningModule):
     def attach_output_embedding(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                 logit_transform: Optional[LogitTransform] = None) -> None:
         V, d = weight.shape
-        hp = self.hparams
-        if d != hp.feature_dim or (hp.vocab_size and V != hp.vocab_size):
+        if d != self.feature_dim or (self.vocab_size and V != self.vocab_size):
             raise ValueError(f"The output embedding is {V}×{d} but the model was built for "
-                             f"vocab_size={hp.vocab_size}, feature_dim={hp.feature_dim}.")
+                             f"vocab_size={self.vocab_size}, feature_dim={self.feature_dim}.")
         self.logit_transform = logit_transform or LogitTransform()
         self.out_weight = weight.to(self.device, torch.float32)
         self.out_bias = (bias if bias is not None else torch.zeros(V)).to(self.device,
@@ -92,6 +96,9 @@ class TokenLevelModule(pl.LightningModule):
     def predict_step(self, batch, batch_idx: int) -> dict:
         """Per-token log p(target) with split positions, for reports on exactly the same tokens."""
         nll, mask, positions = self.token_nll(batch, "predict")
+        if positions is None:
+            raise ValueError(f"{type(self).__name__}'s predict batches carry no split positions: "
+                             f"predict needs them to put every score in its place.")
         return predicted_tokens(nll, mask, positions)
 
     def _log_eval(self, stage: str, metric: TokenNLL) -> None:
@@ -113,7 +120,4 @@ class TokenLevelModule(pl.LightningModule):
         return []
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return adamw_warmup_cosine(self, self.named_parameters(), hp.lr, hp.weight_decay,
-                                   hp.warmup_steps, hp.min_lr_ratio, hp.get("betas", (0.9, 0.95)),
-                                   self.lr_groups())
+        return adamw_warmup_cosine(self, self.named_parameters(), self.optim, self.lr_groups())

@@ -28,14 +28,19 @@ class GnnlmCLI(LightningCLI):
                      "retrieved", "stored_k"):   # SPALM: the k the data can serve
             parser.link_arguments(f"data.{name}", f"model.init_args.{name}",
                                   apply_on="instantiate")
-        # GNN-LM: the graphs' layout
-        parser.link_arguments("data.graph", "model.init_args.graph_layout", apply_on="instantiate")
+        # GNN-LM: the graphs' layout (their k stays the data module's)
+        parser.link_arguments("data.graph_layout", "model.init_args.graph_layout",
+                              apply_on="instantiate")
         # heads that run the base LM take the one their datastore was built with
         parser.link_arguments("data.base_lm", "model.init_args.base_lm", apply_on="instantiate")
         parser.link_arguments("data.base_lm_fingerprint", "model.init_args.base_lm_fingerprint",
                               apply_on="instantiate")
         parser.link_arguments("data.base_lm_options", "model.init_args.base_lm_options",
                               apply_on="instantiate")
+        # the other way, when the config is parsed: the base LM's tokens are served as
+        # Transformer-XL segments when the model carries memory (skipped where either lacks it)
+        parser.link_arguments("model.init_args.memory_length", "data.init_args.memory_length",
+                              apply_on="parse")
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         """The config's trainer, with the callback that hands the model the work directory's
@@ -44,7 +49,8 @@ class GnnlmCLI(LightningCLI):
         from gnnlm.lit.datastore import AttachDatastore
 
         trainer = super().instantiate_trainer(**kwargs)
-        trainer.callbacks.append(AttachDatastore())
+        # (Lightning sets Trainer.callbacks in a connector, so its type does not declare it)
+        trainer.callbacks.append(AttachDatastore())  # type: ignore[attr-defined]
         return trainer
 
     def parse_arguments(self, parser, args) -> None:

@@ -36,7 +36,7 @@ def _arguments(cls: type) -> dict[str, inspect.Parameter]:
     for klass in cls.__mro__:
         if klass is object or "__init__" not in vars(klass):
             continue
-        params = inspect.signature(klass.__init__).parameters
+        params = inspect.signature(vars(klass)["__init__"]).parameters
         found.update({name: p for name, p in params.items() if name != "self"
                       and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in found})
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import pytorch_lightning as pl
 
+from gnnlm.lit.base import TokenLevelModule
+from gnnlm.lit.gnn import GNNLM
+
 
 class AttachDatastore(pl.Callback):
     """At ``setup``, give the model what the data module serves, where the model has none yet."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        data = trainer.datamodule
+        # (Lightning sets Trainer.datamodule in a connector, so its type does not declare it)
+        data = trainer.datamodule  # type: ignore[attr-defined]
         if data is None:
             return
-        if (getattr(pl_module, "uses_output_embedding", False)
+        if (isinstance(pl_module, TokenLevelModule) and pl_module.uses_output_embedding
                 and not pl_module.has_output_embedding and hasattr(data, "output_embedding")):
-            pl_module.attach_output_embedding(*data.output_embedding(),
+            weight, bias = data.output_embedding()
+            pl_module.attach_output_embedding(weight, bias,
                                               getattr(data, "logit_transform", None))
-        if (hasattr(pl_module, "attach_node_features") and not pl_module.has_node_features
+        if (isinstance(pl_module, GNNLM) and not pl_module.has_node_features
                 and hasattr(data, "node_features")):
             pl_module.attach_node_features(data.node_features(), data.n_train)

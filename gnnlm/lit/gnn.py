@@ -9,7 +9,8 @@ checkpoints; ``attach_output_embedding`` sets it when the module is used outside
 ``impl="dense"`` runs the layers on the graphs' regular layout (``gnnlm.gnn.dense``), ``"pyg"``
 by message passing over the edges (``GNNLMConv.forward``); both compute the same function with
 the same weights. The window sizes, inter edges and ctx window of that layout are ``graph_layout``,
-the data module's ``graph``, which ``gnnlm fit`` links into the model.
+the data module's ``graph`` without its k (``GraphLayout``), which ``gnnlm fit`` links into the
+model: k has one owner, the data module, and the model reads it from each batch.
 
 Evaluation blocks that name their windows by position (``ctx.retrieved``, the data module's
 ``eval_windows="once"``) are read through ``gnnlm.gnn.window_states.WindowStates``: each retrieved
@@ -19,7 +20,6 @@ weights stay the same. Its node features are attached with ``attach_node_feature
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal, Optional
 
 import torch
@@ -28,8 +28,10 @@ from torch.nn import functional as F
 from gnnlm.gnn.dense import stack_dense, to_dense
 from gnnlm.gnn.graph import METADATA, GraphConfig
 from gnnlm.gnn.layer import GNNStack
+from gnnlm.gnn.settings import GraphLayout
 from gnnlm.gnn.window_states import NodeFeatures, WindowStates
 from gnnlm.lit.base import TokenLevelModule
+from gnnlm.lit.settings import OptimConfig
 from gnnlm.models.base import float32
 from gnnlm.utils.metrics import target_nll
 
@@ -42,10 +44,10 @@ class GNNLM(TokenLevelModule):
                  norm: Literal["none", "pre", "post"] = "none",
                  edge_aggr: Literal["sum", "mean"] = "sum",
                  kind: Literal["gnnlm", "hgt"] = "gnnlm", impl: Literal["dense", "pyg"] = "dense",
-                 zero_init_output: bool = True, lr: float = 5e-4, weight_decay: float = 0.01,
-                 warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+                 zero_init_output: bool = True,
+                 optim: OptimConfig = OptimConfig(lr=5e-4, weight_decay=0.01),
                  max_windows: Optional[int] = None,
-                 graph_layout: Optional[GraphConfig] = None):
+                 graph_layout: Optional[GraphLayout] = None):
         """GNN-LM over the retrieval graph, read out by the base LM's frozen softmax.
 
         Args:
@@ -62,16 +64,14 @@ class GNNLM(TokenLevelModule):
             impl: run on the graphs' regular layout (``dense``) or by message passing (``pyg``).
             zero_init_output: start each layer's W^o at zero: the stack is then the identity and
                 the model starts as the base LM (without ``norm='post'``).
-            lr: the peak learning rate of AdamW.
-            weight_decay: AdamW's decoupled weight decay (matrices only).
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            optim: AdamW and its warmup + cosine schedule.
             max_windows: the most retrieved windows whose states evaluation keeps (None: one
                 per train position; see ``gnnlm.gnn.window_states``).
             graph_layout: the graphs' window sizes, inter edges and ctx window (linked from the
-                data module's ``graph``; the dense path and evaluation windows need it). Not
-                named ``graph``: Lightning refuses a hyper-parameter the model and the data
-                module both hold, in different forms.
+                data module's ``graph_layout``; the dense path and evaluation windows need it;
+                a ``GraphConfig`` is taken without its k). Not named ``graph``: Lightning
+                refuses a hyper-parameter the model and the data module both hold, in
+                different forms.
         """
         super().__init__()
         if feature_dim <= 0:
@@ -80,12 +80,15 @@ class GNNLM(TokenLevelModule):
             raise ValueError(f"impl='dense' computes GNN-LM layers; use impl='pyg' with "
                              f"kind={kind!r}.")
         self.save_hyperparameters()
+        self.vocab_size, self.feature_dim = vocab_size, feature_dim
+        self.impl, self.max_windows = impl, max_windows
+        self.optim = OptimConfig.of(optim)
         self.gnn = GNNStack(feature_dim, METADATA, num_layers=num_layers, heads=heads,
                             dropout=dropout, norm=norm, edge_aggr=edge_aggr, kind=kind,
                             zero_init_output=zero_init_output, readout=("ctx",))
-        self.graph: Optional[GraphConfig] = (
-            graph_layout if graph_layout is None or isinstance(graph_layout, GraphConfig)
-            else GraphConfig(**graph_layout))
+        # a GraphConfig here (tests, or the data module's graph set by hand) reads as its layout
+        self.graph: Optional[GraphLayout | GraphConfig] = (
+            None if graph_layout is None else GraphLayout.of(graph_layout))
         self._node_features: Optional[tuple[NodeFeatures, int]] = None
         self._window_states: Optional[WindowStates] = None
 
@@ -107,15 +110,15 @@ class GNNLM(TokenLevelModule):
                                "GraphDataModule, or call attach_node_features(...) and set "
                                "model.graph.")
         states = self._window_states
-        if states is None or states.config != dataclasses.replace(self.graph, k=states.config.k):
+        if states is None or states.config != self.graph:
             states = WindowStates(self.gnn, *self._node_features, self.graph,
-                                  max_windows=self.hparams.max_windows)
+                                  max_windows=self.max_windows)
             self._window_states = states
         return states
 
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
-        if self.hparams.impl == "dense":
+        if self.impl == "dense":
             if self.graph is None:
                 raise RuntimeError("The dense path needs the graphs' layout: pass graph_layout "
                                    "(`gnnlm` links the GraphDataModule's), or set model.graph.")

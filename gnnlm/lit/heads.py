@@ -18,6 +18,7 @@ import torch
 
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.lit.gates import PerTokenGate
+from gnnlm.lit.settings import OptimConfig
 from gnnlm.models import load_base_lm
 from gnnlm.models.multi_embedding import MultiEmbeddingSoftmax
 from gnnlm.spalm.gate import SpalmGate
@@ -28,9 +29,11 @@ class GatedHead(PerTokenGate, TokenLevelModule):
     """SPALM's gate on the base LM (Yogatama et al. 2021): predict gives each token's mean
     gate (``gnnlm.lit.gates``)."""
 
+    gate_bias: Optional[float] = None  # None: the paper's gate
+
     def deviations(self) -> list[str]:
         """A learned gate bias is not in the paper's gate (the report names it in the label)."""
-        return [] if self.hparams.gate_bias is None else ["gate bias"]
+        return [] if self.gate_bias is None else ["gate bias"]
 
 
 class SpalmLM(GatedHead):
@@ -38,8 +41,7 @@ class SpalmLM(GatedHead):
 
     def __init__(self, vocab_size: int = 0, feature_dim: int = 0,
                  gate_bias: Optional[float] = None,
-                 lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
-                 min_lr_ratio: float = 0.1):
+                 optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=50)):
         """SPALM's gate on frozen features: only the gate w_g is trained; W is the base LM's
         frozen output embedding, so with g = 1 the head is exactly the base LM.
 
@@ -48,13 +50,12 @@ class SpalmLM(GatedHead):
             feature_dim: the base LM's hidden size d (linked from the data module).
             gate_bias: None is the paper's gate; a number starts a learned bias there
                 (``SpalmGate``).
-            lr: the peak learning rate of AdamW.
-            weight_decay: AdamW's decoupled weight decay (matrices only).
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            optim: AdamW and its warmup + cosine schedule.
         """
         super().__init__()
         self.save_hyperparameters()
+        self.vocab_size, self.feature_dim, self.gate_bias = vocab_size, feature_dim, gate_bias
+        self.optim = OptimConfig.of(optim)
         self.head = SpalmGate(feature_dim, gate_bias)
 
     def forward(self, batch: dict, force_gate: float | None = None):
@@ -73,8 +74,7 @@ class SpalmFinetuneLM(GatedHead):
                  base_lm_fingerprint: Optional[str] = None,
                  base_lm_options: Optional[dict] = None,
                  gate_bias: Optional[float] = None,
-                 lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
-                 min_lr_ratio: float = 0.1):
+                 optim: OptimConfig = OptimConfig(lr=1e-3, warmup_steps=50)):
         """SPALM (``SpalmGate``) on the base LM, training the gate w_g together with the LM's
         last block and final norm.
 
@@ -92,13 +92,11 @@ class SpalmFinetuneLM(GatedHead):
             base_lm_options: how a Hugging Face base LM was loaded for the datastore (its
                 feature paths and dtype; linked).
             gate_bias: None is the paper's gate; a number starts a learned bias there.
-            lr: the peak learning rate of AdamW.
-            weight_decay: AdamW's decoupled weight decay (matrices only).
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            optim: AdamW and its warmup + cosine schedule.
         """
         super().__init__()
         self.save_hyperparameters()
+        self.gate_bias, self.optim = gate_bias, OptimConfig.of(optim)
         if not base_lm:
             raise ValueError("SpalmFinetuneLM needs base_lm: a `gnnlm fit` checkpoint or "
                              "hf:<name> (RetrievalWindowsDataModule supplies the datastore's).")
@@ -142,8 +140,7 @@ class SpalmFinetuneLM(GatedHead):
 
 class LearnedDatastoreLM(TokenLevelModule):
     def __init__(self, vocab_size: int = 0, feature_dim: int = 0, embeddings_per_word: int = 1,
-                 lr: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 50,
-                 min_lr_ratio: float = 0.1):
+                 optim: OptimConfig = OptimConfig(lr=3e-3, warmup_steps=50)):
         """A learned W_ds; train with ``FeatureDataModule(key="att")`` (Xu et al. 2023:
         h_ds = att).
 
@@ -152,13 +149,11 @@ class LearnedDatastoreLM(TokenLevelModule):
             feature_dim: the ``att`` features' size (linked from the data module).
             embeddings_per_word: n, embeddings per word whose probabilities are summed
                 (Xu et al. §4.2; 1: one V×d matrix).
-            lr: the peak learning rate of AdamW.
-            weight_decay: AdamW's decoupled weight decay (matrices only).
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            optim: AdamW and its warmup + cosine schedule.
         """
         super().__init__()
         self.save_hyperparameters()
+        self.optim = OptimConfig.of(optim)
         self.head = MultiEmbeddingSoftmax(vocab_size, feature_dim, embeddings_per_word)
 
     def token_nll(self, batch: dict, stage: str):

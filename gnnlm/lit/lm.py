@@ -23,6 +23,7 @@ import torch
 
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.lit.memory import SegmentMemory
+from gnnlm.lit.settings import OptimConfig
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.utils.metrics import target_nll
 
@@ -30,9 +31,8 @@ from gnnlm.utils.metrics import target_nll
 class LanguageModel(SegmentMemory, TokenLevelModule):
     def __init__(self, vocab_size: int = 0, context_length: int = 256, n_layer: int = 4,
                  n_head: int = 4, d_model: int = 256, d_ff: int = 1024, dropout: float = 0.1,
-                 tie_embeddings: bool = True, memory_length: int = 0, lr: float = 1e-3,
-                 weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-                 warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+                 tie_embeddings: bool = True, memory_length: int = 0,
+                 optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.1),
                  vocab_fingerprint: Optional[str] = None):
         """The built-in GPT base LM.
 
@@ -46,11 +46,7 @@ class LanguageModel(SegmentMemory, TokenLevelModule):
             dropout: dropout probability in training.
             tie_embeddings: one matrix for the input and output embeddings.
             memory_length: Transformer-XL memory M, cached states per layer (0: none).
-            lr: the peak learning rate of AdamW.
-            weight_decay: AdamW's decoupled weight decay (matrices only).
-            betas: AdamW's betas.
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            optim: AdamW and its warmup + cosine schedule.
             vocab_fingerprint: the fingerprint of the vocabulary the ids mean (linked from the
                 data module's tokens; a checkpoint's is restored with it).
         """
@@ -61,6 +57,8 @@ class LanguageModel(SegmentMemory, TokenLevelModule):
             d_model=d_model, d_ff=d_ff, dropout=dropout, tie_embeddings=tie_embeddings,
             memory_length=memory_length))
         self.memory_length = memory_length
+        self.optim = OptimConfig.of(optim)
+        self.vocab_fingerprint = vocab_fingerprint
 
     def token_nll(self, batch: dict, stage: str):
         """NLL of every position; Transformer-XL memory is carried between batches of a stage."""
@@ -81,11 +79,11 @@ class LanguageModel(SegmentMemory, TokenLevelModule):
     def check_vocabulary(self, fingerprint: Optional[str], source: str) -> None:
         """Refuse ids of another vocabulary than the model's (``source`` names where
         ``fingerprint`` comes from); a model that records none takes this one."""
-        recorded = self.hparams.get("vocab_fingerprint")
+        recorded = self.vocab_fingerprint
         if fingerprint is None or recorded == fingerprint:
             return
-        if recorded is None:
-            self.hparams.vocab_fingerprint = fingerprint
+        if recorded is None:  # the checkpoint saves the hyper-parameter
+            self.vocab_fingerprint = self.hparams["vocab_fingerprint"] = fingerprint
             return
         raise ValueError(f"The model's vocabulary (fingerprint {recorded}) is not the one of "
                          f"{source} ({fingerprint}): token ids would mean different words. "

@@ -1,4 +1,5 @@
-"""The optimiser every trainable module here uses: AdamW with warmup + cosine decay per step."""
+"""The optimiser every trainable module here uses: AdamW with warmup + cosine decay per step,
+built from the module's ``OptimConfig`` (``gnnlm.lit.settings``)."""
 from __future__ import annotations
 
 import math
@@ -6,6 +7,8 @@ from collections.abc import Iterable, Sequence
 
 import pytorch_lightning as pl
 import torch
+
+from gnnlm.lit.settings import OptimConfig
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -24,12 +27,11 @@ def decay_groups(params: list[torch.nn.Parameter], weight_decay: float,
             {"params": [p for p in params if p.dim() < 2], **options, "weight_decay": 0.0}]
 
 
-def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, lr: float,
-                        weight_decay: float, warmup_steps: int, min_lr_ratio: float,
-                        betas: tuple[float, float] = (0.9, 0.95),
+def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, optim: OptimConfig,
                         lr_groups: Sequence[tuple[Iterable[torch.nn.Parameter], float]] = ()
                         ) -> dict:
-    """``configure_optimizers`` result over the trainable ``named_params``.
+    """``configure_optimizers`` result over the trainable ``named_params``, with ``optim``'s
+    learning rate, weight decay, betas and schedule.
 
     ``lr_groups``: ``(parameters, lr)`` pairs trained at their own learning rate (e.g. what
     SPALM adds to a warm-started LM). Their parameters leave the two groups at ``lr``, which
@@ -37,14 +39,15 @@ def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, lr: 
     then adds its own decay / no-decay groups, leaving out one it has no parameters for. Every
     group lists its parameters in ``named_params``' order, and every group follows the one
     warmup + cosine schedule."""
+    weight_decay = optim.weight_decay
     params = [p for _, p in named_params if p.requires_grad]
     own_lr = {id(p): i for i, (group, _) in enumerate(lr_groups) for p in group}
     groups = decay_groups([p for p in params if id(p) not in own_lr], weight_decay)
     for i, (_, group_lr) in enumerate(lr_groups):
         mine = [p for p in params if own_lr.get(id(p)) == i]
         groups += [g for g in decay_groups(mine, weight_decay, lr=group_lr) if g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
     total = max(1, int(module.trainer.estimated_stepping_batches))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, warmup_steps, total, min_lr_ratio))
+        optimizer, lambda step: warmup_cosine(step, optim.warmup_steps, total, optim.min_lr_ratio))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -16,10 +16,11 @@ scored once, memory carried from one segment of a stream to the next):
 - transformer: ``k`` = 0, ``memory_length`` = 0 (each segment read without memory).
 
 Predict gives, per scored token, the gate averaged over its d dimensions (SPALM Fig. 4-5 count
-tokens; ``gnnlm.lit.gates``), and on the valid split records the perplexity of the trained model
-when it reads each k of ``k_curve`` neighbours (SPALM Table 5); ``gnnlm.pipeline.runner`` stores
-both with the scores. Transformer-XL memory (Dai et al. 2019) is carried from one segment of a
-stream to the next as in the base LM (``gnnlm.lit.memory``).
+tokens; ``gnnlm.lit.gates``), and on the valid split (each batch of ``SpalmDataModule`` names
+its split) records the perplexity of the trained model when it reads each k of ``k_curve``
+neighbours (SPALM Table 5); ``gnnlm.pipeline.runner`` stores both with the scores.
+Transformer-XL memory (Dai et al. 2019) is carried from one segment of a stream to the next as
+in the base LM (``gnnlm.lit.memory``).
 """
 from __future__ import annotations
 
@@ -32,12 +33,20 @@ import torch
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.lit.gates import PerTokenGate
 from gnnlm.lit.memory import SegmentMemory
+from gnnlm.lit.settings import OptimConfig
 from gnnlm.models import is_hf, load_gpt_checkpoint
 from gnnlm.models.gpt import GPT
 from gnnlm.spalm.model import Spalm, SpalmOutput
 from gnnlm.utils.metrics import target_nll
 
 INITS = ("warm", "scratch")
+
+
+def batch_split(batch: dict) -> Optional[str]:
+    """The split a batch was read from: its items' ``split`` (collated into one name per
+    item), or None where the batch does not say."""
+    split = batch.get("split")
+    return split[0] if isinstance(split, (list, tuple)) else split
 
 
 def check_k_curve(ks: list[int], stored: int) -> None:
@@ -54,9 +63,8 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
                  init: str = "warm", dropout: Optional[float] = None,
                  gate_bias: Optional[float] = None, memory_scale: str = "none",
                  k_curve: Optional[list[int]] = None, k_curve_tokens: Optional[int] = None,
-                 lr: float = 1e-3, gate_lr: Optional[float] = None, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50,
-                 min_lr_ratio: float = 0.1, retrieved: Optional[int] = None,
+                 optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.1, warmup_steps=50),
+                 gate_lr: Optional[float] = None, retrieved: Optional[int] = None,
                  stored_k: Optional[int] = None):
         """SPALM trained end to end on the built-in LM, or its Transformer-XL / transformer
         baselines.
@@ -80,13 +88,9 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
             k_curve: the k's at which predict on valid also scores the model (Table 5; at
                 most the values the data carries, and those at most the stored K).
             k_curve_tokens: score the k curve on only the first that many valid positions.
-            lr: the peak learning rate of AdamW.
-            gate_lr: the learning rate of what SPALM adds (w_g and log s; None: ``lr``); a
-                warm-started LM wants a small step, while w_g starts from zero.
-            weight_decay: AdamW's decoupled weight decay (matrices only).
-            betas: AdamW's betas.
-            warmup_steps: linear warmup steps before the cosine decay.
-            min_lr_ratio: the learning rate at the end, as a share of ``lr``.
+            optim: AdamW and its warmup + cosine schedule.
+            gate_lr: the learning rate of what SPALM adds (w_g and log s; None: ``optim.lr``);
+                a warm-started LM wants a small step, while w_g starts from zero.
             retrieved: retrieved values per position the data carries (linked from the data
                 module; None: unchecked): the model refuses a k or k curve beyond it.
             stored_k: neighbours stored per token, K (linked from the data module; None:
@@ -94,6 +98,9 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
         """
         super().__init__()
         self.save_hyperparameters()
+        self.k, self.k_curve, self.k_curve_tokens = k, k_curve, k_curve_tokens
+        self.init, self.gate_bias, self.memory_scale = init, gate_bias, memory_scale
+        self.optim, self.gate_lr = OptimConfig.of(optim), gate_lr
         if init not in INITS:
             raise ValueError(f"init must be one of {INITS} (got {init!r}).")
         if k < 0 or memory_length < 0:
@@ -130,6 +137,8 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
         self.model = Spalm(lm, long_term=k > 0, gate_bias=gate_bias, memory_scale=memory_scale)
         self.memory_length = memory_length
         self.k_curve_result: Optional[dict] = None
+        self._curve: dict[int, list[float]] = {}
+        self._predicting_valid = False  # the split of the predict pass: valid
 
     # -- the loss -------------------------------------------------------------------------------
     def _values(self, batch: dict, k: int) -> Optional[torch.Tensor]:
@@ -147,7 +156,7 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
                 force_gate: Optional[float] = None) -> SpalmOutput:
         """The batch's segment, reading (and then replacing) the memory of ``stage``."""
         memory = self.memory_for(stage, batch["input"].shape[0])
-        out = self.model(batch["input"], self._values(batch, self.hparams.k), memory,
+        out = self.model(batch["input"], self._values(batch, self.k), memory,
                          force_gate)
         self.keep_memory(stage, out.memory)
         return out
@@ -159,6 +168,7 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
         positions = batch["positions"].flatten()
         gate = None if out.gate is None else out.gate.flatten(0, 1)
         if stage == "predict":
+            self._predicting_valid = batch_split(batch) == "valid"
             self._record_k_curve(batch, out, nll, mask, positions)
         elif gate is not None:
             mean = (gate.mean(-1) * mask).sum() / mask.sum().clamp(min=1)
@@ -169,20 +179,20 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
 
     def lr_groups(self) -> list[tuple[list[torch.nn.Parameter], float]]:
         """The gate and memory scale at ``gate_lr``."""
-        hp = self.hparams
-        return [(self.model.memory_parameters(), hp.gate_lr or hp.lr)]
+        return [(self.model.memory_parameters(), self.gate_lr or self.optim.lr)]
 
     # -- predict: the k curve on valid ----------------------------------------------------------
     def on_predict_epoch_start(self) -> None:
         super().on_predict_epoch_start()
-        self._curve = {k: [0.0, 0] for k in (self.hparams.k_curve or [])}
+        self._curve = {k: [0.0, 0] for k in (self.k_curve or [])}
+        self._predicting_valid = False
 
     @torch.no_grad()
     def _record_k_curve(self, batch: dict, out: SpalmOutput, nll, mask, positions) -> None:
-        if out.gate is None or not self._curve or self.predict_split != "valid":
+        if out.gate is None or not self._curve or not self._predicting_valid:
             return
         keep = mask.bool()
-        limit = self.hparams.k_curve_tokens
+        limit = self.k_curve_tokens
         if limit is not None:
             keep = keep & (positions < limit)
         if not keep.any():
@@ -193,7 +203,7 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
         values = values.flatten(0, 1)[keep]
         target = batch["target"].flatten()[keep]
         for k, acc in self._curve.items():
-            if k == self.hparams.k:
+            if k == self.k:
                 nll_k = nll[keep]
             else:
                 nll_k = target_nll(self.model.head(h, values[:, :k])[0], target)
@@ -201,10 +211,10 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
             acc[1] += int(keep.sum())
 
     def on_predict_epoch_end(self) -> None:
-        if self._curve and self.predict_split == "valid":
+        if self._curve and self._predicting_valid:
             ks = sorted(self._curve)
             self.k_curve_result = {
-                "split": "valid", "trained_k": self.hparams.k, "k": ks,
+                "split": "valid", "trained_k": self.k, "k": ks,
                 "tokens": self._curve[ks[0]][1],
                 "ppl": [float(np.exp(s / max(c, 1))) for s, c in (self._curve[k] for k in ks)]}
 
@@ -213,16 +223,14 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
         have no gate); the report names them in the row's label."""
         if self.model.gate is None:
             return []
-        hp = self.hparams
-        return ([] if hp.gate_bias is None else ["gate bias"]) + (
-            ["memory scale"] if hp.memory_scale != "none" else [])
+        return ([] if self.gate_bias is None else ["gate bias"]) + (
+            ["memory scale"] if self.memory_scale != "none" else [])
 
     def report_extras(self) -> dict:
         """What the report reads besides the scores (JSON)."""
-        hp = self.hparams
-        extras: dict = {"spalm": {"k": hp.k, "memory_length": hp.memory_length,
-                                  "init": hp.init, "gate_bias": hp.gate_bias,
-                                  "memory_scale": hp.memory_scale}}
+        extras: dict = {"spalm": {"k": self.k, "memory_length": self.memory_length,
+                                  "init": self.init, "gate_bias": self.gate_bias,
+                                  "memory_scale": self.memory_scale}}
         if self.k_curve_result is not None:
             extras["k_curve"] = self.k_curve_result
         return extras

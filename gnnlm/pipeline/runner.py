@@ -421,14 +421,14 @@ def predict_tokens(model, datamodule, split: str, n: int, precision: str = "32-t
     ``[n]`` arrays by name: ``logprob`` (log p(target)) and any other per-token value of the
     model's predict outputs (SPALM: ``gate``), on one device with the training run's precision.
 
-    The split is set here, once, on both: the data module serves it and the model records
-    what it computes on it (``predict_split``). The pass prints its progress (tokens, tokens/s,
+    The split is given to the data module (``connect``), which serves it; a model that needs
+    to know it reads it from the batches. The pass prints its progress (tokens, tokens/s,
     ETA: ``PredictProgress``), naming the evaluation k of a GNN-LM data module."""
     import pytorch_lightning as pl
 
     from gnnlm.lit.predict_progress import PredictProgress
 
-    datamodule.predict_split = model.predict_split = split
+    datamodule.connect(predict_split=split)
     k = getattr(datamodule, "eval_k", None)
     desc = f"score {type(model).__name__} {split}" + (f" at k = {k}" if k else "")
     quiet_lightning()  # no device banner before each pass: every Trainer would say it
@@ -464,13 +464,13 @@ def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
                   ) -> tuple[dict, np.ndarray]:
     """Score valid with each of the data module's ``eval_ks`` windows per token and keep the
     best, as kNN-LM's k is chosen on valid (GNN-LM's k is a property of the graph, not of the
-    weights: a model trained with k windows reads any number). Sets ``datamodule.eval_k`` to it
-    and returns ``({"valid_ppl": {k: ppl}, "seconds": {k: s}, "chosen": k}, valid log p at the
-    chosen k)``."""
+    weights: a model trained with k windows reads any number). Connects the data module to it
+    (``connect(eval_k=...)``) and returns ``({"valid_ppl": {k: ppl}, "seconds": {k: s},
+    "chosen": k}, valid log p at the chosen k)``."""
     curve, seconds, best = {}, {}, None
     ks = sorted(set(datamodule.hparams.eval_ks))
     for i, k in enumerate(ks):
-        datamodule.eval_k = k
+        datamodule.connect(eval_k=k)
         say(f"[gnnlm] scoring valid at evaluation k = {k} ({i + 1} of {len(ks)}: "
             f"{', '.join(map(str, ks))})")
         t0 = time.perf_counter()
@@ -481,7 +481,7 @@ def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
         if best is None or curve[k] < curve[best[0]]:
             best = (k, logprob)
     assert best is not None
-    datamodule.eval_k = best[0]
+    datamodule.connect(eval_k=best[0])
     say("[gnnlm] valid ppl by evaluation k: " + ", ".join(
         f"{k}: {ppl:.2f} ({seconds[k]:.0f} s)" for k, ppl in curve.items())
         + f"; chosen k = {best[0]}")
@@ -534,10 +534,9 @@ def memory_rows(workdir: Workdir, name: str) -> list[dict]:
     data = LMDataModule(**{**datamodule_args(ckpt), "workdir": str(workdir.root),
                            "segments": True})
     model.check_vocabulary(data.vocab_fingerprint, f"the tokens in {workdir.tokens}")
-    memory = model.memory_length
     rows = []
-    for length in (memory, 0):
-        model.memory_length = model.model.memory_length = length
+    for length in (model.memory_length, 0):
+        model = load_language_model(ckpt, {"memory_length": length})  # the same weights
         trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
                              enable_progress_bar=False, enable_model_summary=False)
         (metrics,) = trainer.test(model, datamodule=data, verbose=False)
