@@ -4,7 +4,7 @@ artifacts that are not there yet, the sizes and base LM the CLI links into the m
 LM's output embedding, and the valid/test/predict loaders.
 
 The split that ``predict`` scores is ``predict_split``: the init argument, or what whoever runs
-predict sets (``gnnlm.pipeline.runner`` scores valid and test in turn).
+predict sets (``gnnlm.pipeline.scoring`` scores valid and test in turn).
 """
 from __future__ import annotations
 

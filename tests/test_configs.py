@@ -11,7 +11,8 @@ import yaml
 from conftest import REPO, data_dir
 
 from gnnlm.lit.cli import GnnlmCLI
-from gnnlm.pipeline.config import load_config, yaml_list
+from gnnlm.pipeline.config import load_config
+from gnnlm.pipeline.config_files import yaml_list
 from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))

@@ -43,7 +43,7 @@ class TokenLevelModule(pl.LightningModule):
         super().__init__()
         self.val_nll, self.test_nll = TokenNLL(), TokenNLL()
         self.logit_transform = LogitTransform()  # the base LM's scale and soft-cap, with W
-        # the split a predict run scores: whoever runs predict sets it (gnnlm.pipeline.runner)
+        # the split a predict run scores: whoever runs predict sets it (gnnlm.pipeline.scoring)
         self.predict_split = "test"
         if self.uses_output_embedding:
             self.register_buffer("out_weight", torch.empty(0), persistent=False)
