@@ -5,7 +5,7 @@ LM's output embedding, and the valid/test/predict loaders.
 
 What is known only when the data module runs, not when it is configured, comes in through one
 method, ``connect`` (as litgpt's data modules take their tokenizer): the split ``predict``
-scores (``gnnlm.pipeline.runner`` scores valid and test in turn with one data module) and, for
+scores (``gnnlm.pipeline.scoring`` scores valid and test in turn with one data module) and, for
 GNN-LM's graphs, the evaluation k.
 """
 from __future__ import annotations

@@ -76,6 +76,7 @@ class FeatureBlocks(Dataset):
 
 
 class FeatureDataModule(WorkdirDataModule):
+    reads: frozenset[str] = frozenset()  # of the retrieval artifacts (neighbours: retrieved > 0)
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  retrieved: int = 0, block_size: int = 512, num_workers: int = 0,
                  train_tokens: Optional[int] = None, eval_tokens: Optional[int] = None,

@@ -84,6 +84,7 @@ class SlidingWindows(Dataset):
 
 
 class LMDataModule(pl.LightningDataModule):
+    reads: frozenset[str] = frozenset()  # of the pipeline's retrieval artifacts
     def __init__(self, corpus: str = "wikitext-2", corpus_path: Optional[str] = None,
                  data_dir: Optional[str] = None, tokenizer: TokenizerConfig = TokenizerConfig(),
                  workdir: str = "runs/wikitext2", block_size: int = 256,

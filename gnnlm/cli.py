@@ -82,7 +82,7 @@ def check_command_line(command: str, words: list[str]) -> None:
                          f"{', '.join([*COMMANDS, *LIGHTNING_COMMANDS])} (gnnlm --help).")
     files = config_files(words)
     if files:
-        from gnnlm.pipeline.config import config_text
+        from gnnlm.pipeline.config_files import config_text
 
         for path in files:
             config_text(path)

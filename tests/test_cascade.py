@@ -16,7 +16,8 @@ from conftest import PIPELINE
 from fakes import error_of
 from families import FAMILIES, save_family, train_bpe
 
-from gnnlm.pipeline.config import STAGES, load_config
+from gnnlm.pipeline.config import load_config
+from gnnlm.pipeline.config_checks import STAGES
 from gnnlm.pipeline.dependencies import (
     STAGE_READS,
     cascade_line,

@@ -6,7 +6,9 @@ import re
 import pytest
 from conftest import CPU
 
-from gnnlm.pipeline.config import load_config, merged_yaml
+from gnnlm.pipeline.config import load_config
+from gnnlm.pipeline.config_files import merged_yaml
+from gnnlm.pipeline.training import check_fit_configs
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 
@@ -57,24 +59,25 @@ def test_bad_settings_are_refused_at_load(flag, message):
 
 
 def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
+    """Checked on each head's config as LightningCLI parses it, before any stage runs."""
     overlay = tmp_path / "l2.yaml"
     overlay.write_text("data:\n  init_args:\n    metric: l2\n")
     gnn = ["configs/trainer/cpu.yaml", "configs/wikitext2/gnnlm.yaml",
            "configs/wikitext2/gnnlm_cpu.yaml", str(overlay)]
     with pytest.raises(ValueError, match=r"data.metric = 'l2'.*knn.metric = 'cos'"):
-        load_config([*CPU, f"--gnn.config={gnn}"])
+        check_fit_configs(load_config([*CPU, f"--gnn.config={gnn}"]))
     with pytest.raises(ValueError, match=r"train_tokens = 350000 positions but only the first "
                                          r"neighbors.train_queries = 5000"):
-        load_config([*CPU, "--neighbors.train_queries=5000"])
+        check_fit_configs(load_config([*CPU, "--neighbors.train_queries=5000"]))
     with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(graph.k = 16, "
                                          r"eval_ks \[16, 32, 64, 128\]\) but neighbors.K = 4 "
                                          r"are stored: lower them to at most 4, or raise "
                                          r"neighbors.K.$"):
-        load_config([*CPU, "--neighbors.K=4", "--knn.ks=[4]"])
+        check_fit_configs(load_config([*CPU, "--neighbors.K=4", "--knn.ks=[4]"]))
     # an evaluation k above the K stored (the WikiText-2 config on a small corpus's pipeline)
     with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(eval_ks "
                                          r"\[128\]\) but neighbors.K = 64 are stored"):
-        load_config([*CPU, "--neighbors.K=64", "--knn.ks=[8]"])
+        check_fit_configs(load_config([*CPU, "--neighbors.K=64", "--knn.ks=[8]"]))
 
 
 def test_a_missing_head_config_is_refused():

@@ -11,8 +11,10 @@ import yaml
 from conftest import REPO, data_dir
 
 from gnnlm.lit.cli import GnnlmCLI
-from gnnlm.pipeline.config import load_config, yaml_list
+from gnnlm.pipeline.config import load_config
+from gnnlm.pipeline.config_files import yaml_list
 from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
+from gnnlm.pipeline.training import check_fit_configs
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
@@ -40,10 +42,12 @@ def test_every_config_starts_with_the_command_that_runs_it():
 
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: str(p.relative_to(REPO)))
 def test_pipeline_configs_parse(path, monkeypatch):
-    """Each pipeline YAML parses with its command (overlays included) and names head configs
-    that exist and that each start with a command of their own."""
+    """Each pipeline YAML parses with its command (overlays included), names head configs
+    that exist and that each start with a command of their own, and each trained part's config
+    parses as `gnnlm fit` parses it, each head's reading what the pipeline builds."""
     monkeypatch.chdir(REPO)
     cfg = load_config(command(path)[2:])
+    check_fit_configs(cfg)
     fits = {str(p.relative_to(REPO)) for p in FITS}
     chains = [yaml_list(cfg.base_lm.config), yaml_list(cfg.ablations.memory_lm),
               *cfg.heads().values()]

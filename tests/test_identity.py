@@ -96,7 +96,7 @@ pytestmark = pytest.mark.usefixtures("in_repo")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny LM trained once by ``fit_with_cli`` into ``models/lm``: (folder, the YAML)."""
-    from gnnlm.pipeline.runner import fit_with_cli
+    from gnnlm.pipeline.training import fit_with_cli
 
     root = tmp_path_factory.mktemp("trained")
     corpus = write_corpus(root / "corpus", train="the cat sat on the mat\n" * 40)
@@ -119,7 +119,7 @@ def work(trained, tmp_path):
 
 
 def test_comments_key_order_and_an_overlay_split_reuse_the_trained_part(work, capsys):
-    from gnnlm.pipeline.runner import fit_with_cli
+    from gnnlm.pipeline.training import fit_with_cli
 
     wd, yaml_file, split = work
     before = read_manifest(wd.model("lm"))
@@ -135,7 +135,7 @@ def test_comments_key_order_and_an_overlay_split_reuse_the_trained_part(work, ca
 
 
 def test_a_changed_value_is_refused_naming_that_field(work):
-    from gnnlm.pipeline.runner import fit_with_cli
+    from gnnlm.pipeline.training import fit_with_cli
 
     wd, _, split = work
     overlay = wd.root.parent / "d_ff.yaml"
@@ -162,7 +162,7 @@ def _as_recorded_before(path, config: dict) -> dict:
 def test_a_trained_part_recorded_with_its_yaml_texts_is_reused_by_value(work, capsys):
     """Its fingerprint stays (the ablations record the memory LM's), so nothing downstream
     changes; texts of other values are refused naming the field, not quoting the texts."""
-    from gnnlm.pipeline.runner import fit_with_cli
+    from gnnlm.pipeline.training import fit_with_cli
 
     wd, yaml_file, split = work
     old = _as_recorded_before(wd.model("lm"), {"name": "lm", "yaml": [yaml_file.read_text()]})

@@ -19,7 +19,7 @@ import torch
 from conftest import CPU, REPO
 from fakes import error_of, write_features
 
-from gnnlm.pipeline.runner import head_logprobs
+from gnnlm.pipeline.scoring import head_logprobs
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.knn_cache import build_knn_cache
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
@@ -274,7 +274,7 @@ def test_a_head_that_predicts_nan_is_refused():
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
-    from gnnlm.pipeline.runner import predict_logprobs
+    from gnnlm.pipeline.scoring import predict_logprobs
 
     class Scores(pl.LightningModule):
         def __init__(self):

@@ -61,23 +61,35 @@ def test_an_index_factory_faiss_cannot_build(flags, message, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overlay,setting", [
-    ("graph: {k: 0}", "graph.k = 0, but it must be >= 1 (windows retrieved per token)"),
-    ("graph: {k: -4}", "graph.k = -4, but it must be >= 1 (windows retrieved per token)"),
-    ("graph: {left: -1}", "graph.left = -1, but it must be >= 0 (tokens before a retrieved one)"),
-    ("graph: {ctx_window: 0}", "graph.ctx_window = 0, but it must be >= 1 (or null for the "
-                               "whole block)"),
-    ("block_size: 0", "block_size = 0, but it must be >= 1 (target tokens per sample)"),
-    ("k_schedule: [[0, 0], [1, 16]]", "k_schedule = [[0, 0], [1, 16]], but every k (windows "
-                                      "retrieved per token) must be >= 1"),
-    ("eval_ks: [0, 16]", "eval_ks = [0, 16], but every k (windows retrieved per token) must "
-                         "be >= 1"),
+    # the graph's own checks (GraphConfig), on the parsed config
+    ("graph: {k: 0}", ": data.init_args.graph.k (windows retrieved per token) must be >= 1 "
+                      "(got 0)."),
+    ("graph: {k: -4}", ": data.init_args.graph.k (windows retrieved per token) must be >= 1 "
+                       "(got -4)."),
+    ("graph: {left: -1}", ": data.init_args.graph.left and graph.right (tokens on each side of "
+                          "a retrieved one) must be >= 0 (got left=-1, right=1)."),
+    ("graph: {ctx_window: 0}", ": data.init_args.graph.ctx_window must be >= 1, or null for the "
+                               "whole block (got 0)."),
+    ("k_schedule: [[0, 0], [1, 16]]", " sets data.init_args.k_schedule = [[0, 0], [1, 16]], but "
+                                      "every k (windows retrieved per token) must be >= 1."),
+    ("eval_ks: [0, 16]", " sets data.init_args.eval_ks = [0, 16], but every k (windows "
+                         "retrieved per token) must be >= 1."),
 ])
 def test_a_graph_count_below_one_in_the_gnn_config(overlay, setting, tmp_path, capsys):
     extra = tmp_path / "overlay.yaml"
     extra.write_text(f"data:\n  init_args:\n    {overlay}\n")
     chain = [*GNN, str(extra)]
     assert refused(tmp_path, capsys, f"--gnn.config={json.dumps(chain)}") == (
-        f"the gnn config ({' + '.join(chain)}) sets data.init_args.{setting}.")
+        f"the gnn config ({' + '.join(chain)}){setting}")
+
+
+def test_a_block_size_below_one_in_the_gnn_config(tmp_path, capsys):
+    extra = tmp_path / "overlay.yaml"
+    extra.write_text("data:\n  init_args:\n    block_size: 0\n")
+    chain = [*GNN, str(extra)]
+    assert refused(tmp_path, capsys, f"--gnn.config={json.dumps(chain)}") == (
+        f"The `gnnlm fit` config {' + '.join(chain)} sets data.init_args.block_size = 0: it "
+        f"must be >= 1.")
 
 
 def test_a_graph_k_below_one_in_gnnlm_fit(tmp_path, capsys):

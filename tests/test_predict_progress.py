@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from gnnlm.pipeline.runner import predict_tokens
+from gnnlm.pipeline.scoring import predict_tokens
 
 
 class Positions(pl.LightningDataModule):

@@ -1,4 +1,5 @@
-"""The training runner: the best monitored weights are kept, and checkpoints load as data."""
+"""gnnlm.pipeline.training and gnnlm.pipeline.scoring: the best monitored weights are kept,
+checkpoints load as data, and predict scores each position once."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import torch
 def test_pipeline_keeps_the_best_monitored_weights(tmp_path, monitor):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from gnnlm.pipeline.runner import restore_best_weights
+    from gnnlm.pipeline.training import restore_best_weights
 
     best, last = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     torch.save({"state_dict": best.state_dict()}, tmp_path / "best.ckpt")
@@ -45,7 +46,8 @@ def test_a_checkpoint_written_by_the_trainer_restores_the_best_weights(tmp_path)
 
     from gnnlm.lit.lm import LanguageModel
     from gnnlm.lit.settings import OptimConfig
-    from gnnlm.pipeline.runner import load_language_model, restore_best_weights
+    from gnnlm.pipeline.ablations import load_language_model
+    from gnnlm.pipeline.training import restore_best_weights
 
     torch.manual_seed(0)
     model = LanguageModel(vocab_size=30, context_length=8, n_layer=1, n_head=2, d_model=16,
@@ -73,7 +75,7 @@ def test_a_checkpoint_written_by_the_trainer_restores_the_best_weights(tmp_path)
 def test_a_head_records_the_protocol_it_was_scored_with(tmp_path):
     """Segment models say their segments, streams and memory (the data module's own); heads
     that score the datastore's positions read its sliding windows (the features' manifest)."""
-    from gnnlm.pipeline.runner import scoring_protocol
+    from gnnlm.pipeline.scoring import scoring_protocol
     from gnnlm.workdir.artifacts import ArtifactBuilder
     from gnnlm.workdir.layout import Workdir
 
@@ -99,7 +101,7 @@ def test_predict_sets_the_split_on_both_and_stores_every_per_token_value():
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
-    from gnnlm.pipeline.runner import predict_logprobs, predict_tokens
+    from gnnlm.pipeline.scoring import predict_logprobs, predict_tokens
 
     class Scores(pl.LightningModule):
         def predict_step(self, batch, batch_idx):

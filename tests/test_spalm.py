@@ -105,7 +105,7 @@ def test_the_memory_scale_starts_at_the_norm_ratio_and_none_is_the_paper():
 def test_the_defaults_are_the_paper_s_equations_and_each_deviation_is_named():
     """SPALM eq. (§2): g_t = σ(W_g h_t), no bias; z_t = (1 − g_t) ⊙ m_t + g_t ⊙ h_t, m_t as it
     is. The learned bias and memory scale are options, reported in the row's label."""
-    from gnnlm.pipeline.runner import predict_extras
+    from gnnlm.pipeline.scoring import predict_extras
 
     gpt = _gpt().eval()
     paper = Spalm(gpt).eval()
@@ -326,7 +326,7 @@ def test_memory_is_carried_from_one_batch_to_the_next_and_reset_per_pass(work):
 def test_fit_and_predict_give_every_token_its_gate_and_the_k_curve(work):
     import pytorch_lightning as pl
 
-    from gnnlm.pipeline.runner import predict_extras, predict_tokens
+    from gnnlm.pipeline.scoring import predict_extras, predict_tokens
 
     data = _data(work)
     model = _module(work, k_curve=[1, 2, 4, 8])

@@ -1,4 +1,4 @@
-"""Training as the pipeline runs it (``runner.fit_with_cli``): a killed fit resumes from its last
+"""Training as the pipeline runs it (``training.fit_with_cli``): a killed fit resumes from its last
 checkpoint, a fit whose log is not a terminal writes progress lines, training that hurts keeps
 the starting weights, and loading a Hugging Face model draws no bars into a log."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import REPO
 from fakes import write_corpus
 from pytorch_lightning.callbacks import Callback
 
-from gnnlm.pipeline import runner
+from gnnlm.pipeline import training
 from gnnlm.workdir.layout import Workdir
 
 STEPS = 24
@@ -91,13 +91,13 @@ def fit(monkeypatch, root, name="lm", lr=0.01, kill_at=None, overlay=None):
         cli.trainer.callbacks.insert(0, counter)
         return cli
 
-    instantiate_fit = runner.instantiate_fit
-    monkeypatch.setattr(runner, "instantiate_fit", instantiate)
+    instantiate_fit = training.instantiate_fit
+    monkeypatch.setattr(training, "instantiate_fit", instantiate)
     err = io.StringIO()
     manifest = None
     with contextlib.redirect_stderr(err), contextlib.suppress(RuntimeError):
-        manifest = runner.fit_with_cli(Workdir(root / "work"), name, configs, {}, predict=False)
-    monkeypatch.setattr(runner, "instantiate_fit", instantiate_fit)
+        manifest = training.fit_with_cli(Workdir(root / "work"), name, configs, {}, predict=False)
+    monkeypatch.setattr(training, "instantiate_fit", instantiate_fit)
     return manifest, counter.steps, err.getvalue()
 
 
@@ -210,8 +210,8 @@ def test_training_that_hurts_keeps_the_initial_weights(monkeypatch, tmp_path, un
         initial.update({k: v.detach().clone() for k, v in model.state_dict().items()})
         return validate_before_training(trainer, model, datamodule, weights_file)
 
-    validate_before_training = runner.validate_before_training
-    monkeypatch.setattr(runner, "validate_before_training", snapshot)
+    validate_before_training = training.validate_before_training
+    monkeypatch.setattr(training, "validate_before_training", snapshot)
     manifest, steps, said = fit(monkeypatch, tmp_path, lr=300.0)   # a learning rate that hurts
     assert steps == STEPS and "keeping the initial weights" in said
     assert manifest["kept_initial_weights"] is True
@@ -221,7 +221,7 @@ def test_training_that_hurts_keeps_the_initial_weights(monkeypatch, tmp_path, un
     assert initial and kept.keys() == initial.keys()
     for key, value in initial.items():
         assert torch.equal(kept[key], value), key
-    assert not (tmp_path / "work" / "models" / "lm" / runner.INITIAL_WEIGHTS).exists()
+    assert not (tmp_path / "work" / "models" / "lm" / training.INITIAL_WEIGHTS).exists()
 
 
 def test_validating_before_training_changes_nothing_the_fit_does(monkeypatch, tmp_path,
@@ -229,7 +229,7 @@ def test_validating_before_training_changes_nothing_the_fit_does(monkeypatch, tm
     """The extra validation draws loader seeds from the global random streams; they are put
     back, so a seeded config trains to the very weights it gives without that validation."""
     ref_root, _, _, _ = uninterrupted
-    monkeypatch.setattr(runner, "validate_before_training", lambda *args: None)
+    monkeypatch.setattr(training, "validate_before_training", lambda *args: None)
     manifest, steps, _ = fit(monkeypatch, tmp_path)
     assert steps == STEPS and "valid_before_training" not in manifest
     final, expected = state(tmp_path)["state_dict"], state(ref_root)["state_dict"]

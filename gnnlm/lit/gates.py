@@ -1,5 +1,5 @@
 """SPALM's gate in predict outputs (Yogatama et al. 2021): for every scored token, the gate g_t
-averaged over its d dimensions, which ``gnnlm.pipeline.runner`` stores beside the scores as
+averaged over its d dimensions, which ``gnnlm.pipeline.scoring`` stores beside the scores as
 ``<split>_gate`` and ``gnnlm.spalm.analysis`` counts per token (Fig. 4-5). The same for the
 three SPALM modules: on frozen features (``heads.SpalmLM``), with the last block fine-tuned
 (``heads.SpalmFinetuneLM``), and end to end (``spalm.SpalmXL``).

@@ -18,7 +18,7 @@ scored once, memory carried from one segment of a stream to the next):
 Predict gives, per scored token, the gate averaged over its d dimensions (SPALM Fig. 4-5 count
 tokens; ``gnnlm.lit.gates``), and on the valid split (each batch of ``SpalmDataModule`` names
 its split) records the perplexity of the trained model when it reads each k of ``k_curve``
-neighbours (SPALM Table 5); ``gnnlm.pipeline.runner`` stores both with the scores.
+neighbours (SPALM Table 5); ``gnnlm.pipeline.scoring`` stores both with the scores.
 Transformer-XL memory (Dai et al. 2019) is carried from one segment of a stream to the next as
 in the base LM (``gnnlm.lit.memory``).
 """

@@ -7,7 +7,9 @@
 - ``arguments``: the commands' help, answered without importing their modules;
 - ``stages``: every stage in order, each skipped when its artifact is complete;
 - ``stage_times``: the wall time of each stage of a run (``stage_times.json``);
-- ``runner``: the trained parts (base LM and heads) through LightningCLI;
+- ``training``: the trained parts (base LM and heads) through LightningCLI: identity, fit,
+  resume, starting weights, and the parse of their configs;
+- ``scoring``: a head's per-token scores on valid and test, its evaluation k and protocol;
 - ``data_checks``: unknown tokens, near-copies of valid/test in the datastore, worse heads;
 - ``ablations``: Xu et al. (2023)'s kNN-LM ablations, one table;
 - ``rows``: the one registry of report rows: names, labels, order;

@@ -20,7 +20,7 @@ the same label; only the first is scored, and ``skipped`` says why the others ar
 
 The learned-W_ds rows (§4.1–4.2) are heads trained by the pipeline; the Transformer-XL memory
 rows (SPALM's short-term memory) evaluate a memory LM with and without its memory
-(``gnnlm.pipeline.runner.memory_rows``).
+(``memory_rows``).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from gnnlm.models import protocols
 from gnnlm.pipeline.config import AblationConfig
 from gnnlm.pipeline.rows import BASE
 from gnnlm.pipeline.rows import label as report_label
@@ -46,7 +47,8 @@ from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
 from gnnlm.retrieval.search import Searcher, exact_search, rescore
 from gnnlm.utils.devices import faiss_has_gpu
 from gnnlm.utils.metrics import ppl_from_logprobs
-from gnnlm.workdir.artifacts import ArtifactError, read_manifest
+from gnnlm.workdir.artifacts import ArtifactError, is_complete, read_manifest
+from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
 
 # The rows' meaning: 2 labels rows by what was searched and adds the index-scores row. It belongs
@@ -61,7 +63,7 @@ def _prefix(n: int, eval_tokens: Optional[int]) -> int:
 def outdated(path: Path) -> bool:
     """Whether ``path`` holds a complete ablation table of an older ``ABLATIONS_VERSION`` (its
     rows labelled by intent): the pipeline rebuilds it rather than show its labels."""
-    if not (Path(path) / "manifest.json").is_file():
+    if not is_complete(path):
         return False
     config = read_manifest(path).get("config") or {}
     return int(config.get("version", 1)) < ABLATIONS_VERSION
@@ -282,3 +284,45 @@ def _plot(path: Path, x: list, y: list, xlabel: str, base: float, title: str,
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def memory_rows(workdir: Workdir, name: str) -> list[dict]:
+    """Transformer-XL short-term memory on and off: the memory LM trained as ``name`` on its
+    test split, served as contiguous segments of parallel streams; the memory is carried, or
+    dropped."""
+    import pytorch_lightning as pl
+
+    from datamodules.lm import LMDataModule
+
+    ckpt = workdir.model(name) / "model.ckpt"
+    model = load_language_model(ckpt)
+    data = LMDataModule(**{**datamodule_args(ckpt), "workdir": str(workdir.root),
+                           "segments": True})
+    model.check_vocabulary(data.vocab_fingerprint, f"the tokens in {workdir.tokens}")
+    rows = []
+    for length in (model.memory_length, 0):
+        model = load_language_model(ckpt, {"memory_length": length})  # the same weights
+        trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        (metrics,) = trainer.test(model, datamodule=data, verbose=False)
+        protocol = data.scoring_protocol(length)
+        tokens = int(metrics["test/tokens"])
+        rows.append({"row": f"Transformer-XL base LM, memory "
+                            f"{f'M = {length}' if length else 'off'}",
+                     "test_ppl": float(metrics["test/ppl"]), "tokens": tokens,
+                     "segment": data.hparams["block_size"], "protocol": protocol,
+                     "mean_left_context": float(protocols.left_context(protocol, tokens).mean())})
+    return rows
+
+
+def load_language_model(ckpt: str | Path, hparams: Optional[dict] = None):
+    """A ``gnnlm.lit.lm.LanguageModel`` from a checkpoint, read as plain data."""
+    from gnnlm.lit.lm import LanguageModel
+
+    checkpoint = load_checkpoint(ckpt)
+    saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items()
+             if not k.startswith("_")}
+    model = LanguageModel(**{**saved, **(hparams or {})})
+    model.load_state_dict(checkpoint["state_dict"])
+    return model.eval()
+

@@ -19,19 +19,8 @@ from typing import Optional, Union
 
 from gnnlm.gnn.settings import PQConfig
 from gnnlm.models.settings import DTYPE_NAMES, FEATURE_KEYS, check_keys, is_hf
-from gnnlm.pipeline.config_checks import (  # noqa: F401  (importable from here too)
-    STAGES,
-    base_lm_shape,
-    check_contracts,
-    check_machine,
-)
-from gnnlm.pipeline.config_files import (  # noqa: F401  (importable from here too)
-    YAMLs,
-    config_text,
-    merged_texts,
-    merged_yaml,
-    yaml_list,
-)
+from gnnlm.pipeline.config_checks import check_contracts, check_machine
+from gnnlm.pipeline.config_files import YAMLs, merged_yaml, yaml_list
 from gnnlm.pipeline.config_help import requested_help
 from gnnlm.pipeline.rows import HEAD_CONFIGS, learned_wds_row
 from gnnlm.retrieval.settings import (
@@ -46,12 +35,9 @@ from gnnlm.retrieval.settings import (
     default_temperatures,
     grid_or_point,
 )
-from gnnlm.text.settings import (  # noqa: F401  (importable from here too)
-    TokenizerConfig,
-    tokenizer_config,
-    tokenizer_settings,
-)
+from gnnlm.text.settings import TokenizerConfig, tokenizer_config
 from gnnlm.utils.devices import check_device, check_devices
+from gnnlm.workdir.artifacts import is_complete
 
 
 @dataclass
@@ -455,7 +441,7 @@ def check_built(command: str, args: list[str], folders: list[Path]) -> None:
     """Refuse, before anything is written, a command that reads artifact ``folders`` which
     ``gnnlm pipeline`` has not built (yet), naming the pipeline command, with the same configs
     ``args``, that builds them."""
-    missing = [Path(f) for f in folders if not (Path(f) / "manifest.json").is_file()]
+    missing = [Path(f) for f in folders if not is_complete(f)]
     if not missing:
         return
     import shlex

@@ -6,16 +6,20 @@ A pipeline YAML names, per stage, its settings; trained parts (the base LM and t
 
 - kNN settings that the stored neighbours cannot serve (``knn.ks``/``knn.k`` above
   ``neighbors.K``);
-- head configs that read other retrieval artifacts than the pipeline builds: the graph and
-  SPALM data modules must use ``knn.keys[0]`` and ``knn.metric`` (the only key whose train
-  neighbours are searched), keep at most ``neighbors.K`` neighbours, and train on at most the
-  ``neighbors.train_queries`` positions that have train neighbours (``train_tokens`` unset:
-  every position that has them), with every count of windows (``graph.k``, ...) >= 1;
 - a corpus or tokenizer other than the base LM's (the rule is in ``CorpusConfig``);
 - a size or count below 1 in a trained part's config (``FIT_COUNTS``), and a work directory
   that cannot be one (an empty path, a file);
 - feature windows beyond the base LM's context and an index factory faiss cannot build for
   its hidden size, where ``base_lm_shape`` knows them at load.
+
+``check_head`` refuses, on a head's config as LightningCLI parsed it (with its classes'
+defaults: ``gnnlm.pipeline.training.check_fit_configs``, before any stage runs), one that reads
+other retrieval artifacts than the pipeline builds: a data module that reads neighbours (its
+class's ``reads``, or ``retrieved`` > 0) must use ``knn.keys[0]`` and ``knn.metric`` (the only
+key whose train neighbours are searched), keep at most ``neighbors.K`` neighbours, and train on
+at most the ``neighbors.train_queries`` positions that have train neighbours (``train_tokens``
+unset: every position that has them), with every count of windows (``graph.k``, ...) >= 1
+(the graph's are ``GraphConfig``'s own checks).
 
 ``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU, and an
 ``hf:<folder>`` base LM whose folder is not there. Settings
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
+from gnnlm.gnn.settings import GraphConfig
 from gnnlm.models.gguf_files import read_header
 from gnnlm.models.settings import (
     CONTEXT_FIELDS,
@@ -48,6 +53,8 @@ from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
 from gnnlm.workdir.layout import check_workdir
 
 if TYPE_CHECKING:
+    from jsonargparse import Namespace
+
     from gnnlm.pipeline.config import CorpusConfig, PipelineConfig
 
 # the stages ``rebuild`` may name, besides the heads' rows and ``base_lm_xl``
@@ -85,8 +92,8 @@ def check_contracts(cfg: PipelineConfig, files: Sequence[str] = ()) -> None:
                          "corpus.tokenizer.path.")
     if cfg.ablations.memory_lm is not None:
         merged_yaml(yaml_list(cfg.ablations.memory_lm))  # the files exist and parse
-    for row, paths in cfg.heads().items():  # a head's own checks say what each count means
-        _check_head(cfg, row, paths, merged_yaml(paths))
+    # every trained part's files exist and parse; a head's settings against what the pipeline
+    # builds are ``check_head``'s, on the parsed config, when the pipeline runs
     for chain in cfg.fit_chains():
         _check_fit_counts(chain, merged_yaml(chain))
     for paths in (yaml_list(cfg.base_lm.config),):
@@ -253,33 +260,54 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
-def _check_head(cfg: PipelineConfig, row: str, paths: list[str], merged: dict) -> None:
-    data = merged.get("data") or {}
-    args: dict[str, Any] = data.get("init_args") or {}
-    reads_neighbors = (data.get("class_path", "").endswith(("GraphDataModule",
-                                                           "RetrievalWindowsDataModule",
-                                                           "SpalmDataModule"))
-                       or int(args.get("retrieved") or 0) > 0)
-    if not reads_neighbors:
+def data_reads(data: Namespace) -> frozenset[str]:
+    """What a parsed ``gnnlm fit`` data section's class reads of the pipeline's retrieval
+    artifacts: its ``reads`` (``datamodules``: ``neighbors``, ``pq``); a data module that declares
+    nothing reads none of them. Imports the class (the parse already has)."""
+    import importlib
+
+    module, _, name = str(data.class_path).rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    return frozenset(getattr(cls, "reads", frozenset()))
+
+
+def reads_pq(data: Namespace) -> bool:
+    """Whether a parsed data section reads the PQ codes: its class may (``reads``) and its
+    ``node_features`` (the parsed value: the class's default when the YAMLs leave it out) say
+    so."""
+    return "pq" in data_reads(data) and data.init_args.get("node_features") == "pq"
+
+
+def check_head(cfg: PipelineConfig, row: str, paths: list[str], data: Namespace) -> None:
+    """A head's parsed data section (``gnnlm.pipeline.training.check_fit_config``) against the
+    retrieval artifacts the pipeline builds, when it reads neighbours (its class's ``reads``,
+    or ``retrieved`` > 0): the same key and similarity, at most ``neighbors.K`` neighbours per
+    token, at most ``neighbors.train_queries`` train positions, every count of windows >= 1."""
+    args = data.init_args
+    retrieved = int(args.get("retrieved") or 0)
+    if "neighbors" not in data_reads(data) and retrieved <= 0:
         return
     where = f"the {row} config ({' + '.join(paths)})"
-    _check_counts(where, args)
+    graph = _check_counts(where, args)
     for name, expected in (("key", cfg.knn.primary), ("metric", cfg.knn.metric)):
-        if args.get(name, expected) != expected:
-            raise ValueError(f"{where} reads the neighbours of data.{name} = {args[name]!r}, but "
+        value = args.get(name)
+        if value is not None and value != expected:
+            raise ValueError(f"{where} reads the neighbours of data.{name} = {value!r}, but "
                              f"the pipeline searches train neighbours for knn.keys[0] = "
                              f"{cfg.knn.primary!r} under knn.metric = {cfg.knn.metric!r}.")
-    k = max([int((args.get("graph") or {}).get("k") or 0), int(args.get("retrieved") or 0),
-             *(int(k) for k in args.get("eval_ks") or [])])
-    if k > cfg.neighbors.K:
+    graph_k = graph.k if graph is not None else 0
+    eval_ks = [int(k) for k in args.get("eval_ks") or []]
+    k = max([graph_k, retrieved, *eval_ks])
+    K = cfg.neighbors.K
+    if k > K:
         # which settings ask for more than the K stored neighbours of each token
-        eval_ks = [int(k) for k in args.get("eval_ks") or [] if int(k) > cfg.neighbors.K]
-        too_many = [f"{name} = {value}" for name, value in (
-            ("graph.k", (args.get("graph") or {}).get("k")), ("retrieved", args.get("retrieved")))
-            if value and int(value) > cfg.neighbors.K] + ([f"eval_ks {eval_ks}"] if eval_ks else [])
+        above = [k for k in eval_ks if k > K]
+        too_many = [f"{name} = {value}" for name, value in (("graph.k", graph_k),
+                                                             ("retrieved", retrieved))
+                    if value > K] + ([f"eval_ks {above}"] if above else [])
         raise ValueError(f"{where} keeps k = {k} neighbours per token ({', '.join(too_many)}) "
-                         f"but neighbors.K = {cfg.neighbors.K} are stored: lower them to at "
-                         f"most {cfg.neighbors.K}, or raise neighbors.K.")
+                         f"but neighbors.K = {K} are stored: lower them to at most {K}, or "
+                         f"raise neighbors.K.")
     covered = cfg.neighbors.train_queries
     asked = args.get("train_tokens")
     if covered is not None and asked is not None and int(asked) > covered:
@@ -288,25 +316,28 @@ def _check_head(cfg: PipelineConfig, row: str, paths: list[str], merged: dict) -
                          f"neighbours: lower train_tokens or raise train_queries.")
 
 
-def _check_counts(where: str, args: dict) -> None:
-    """A head's counts of windows and tokens (the graph data module's ``graph.*``, ``k_schedule``,
-    ``eval_ks``, ``block_size``): the data module checks them only when it is built, after the
-    datastore and PQ stages. Values that are not integers are left to the parse of the config."""
-    graph = args.get("graph") or {}
-    counts = [("graph.k", graph.get("k"), 1, "windows retrieved per token"),
-              ("graph.left", graph.get("left"), 0, "tokens before a retrieved one"),
-              ("graph.right", graph.get("right"), 0, "tokens after a retrieved one"),
-              ("graph.ctx_window", graph.get("ctx_window"), 1, "or null for the whole block"),
-              ("block_size", args.get("block_size"), 1, "target tokens per sample")]
-    for name, value, least, meaning in counts:
-        if isinstance(value, int) and not isinstance(value, bool) and value < least:
-            raise ValueError(f"{where} sets data.init_args.{name} = {value}, but it must be >= "
-                             f"{least} ({meaning}).")
+def _check_counts(where: str, args: Namespace) -> Optional[GraphConfig]:
+    """A head's counts of windows and tokens, which its data module checks only when it is
+    built, after the datastore and PQ stages: the graph's (``GraphConfig``'s own checks, on the
+    parsed values), ``k_schedule`` and ``eval_ks`` (``block_size`` is one of ``FIT_COUNTS``,
+    checked at load). Returns the graph's settings, if the data module has any."""
+    graph = None
+    if args.get("graph") is not None:
+        try:
+            graph = GraphConfig(**args.graph.as_dict())
+        except ValueError as err:
+            raise ValueError(f"{where}: data.init_args.{err}") from None
     for name, ks in (("k_schedule", [s[-1] for s in args.get("k_schedule") or [] if s]),
                      ("eval_ks", args.get("eval_ks") or [])):
-        if any(isinstance(k, int) and k < 1 for k in ks):
-            raise ValueError(f"{where} sets data.init_args.{name} = {args[name]}, but every k "
-                             f"(windows retrieved per token) must be >= 1.")
+        if any(k < 1 for k in ks):
+            raise ValueError(f"{where} sets data.init_args.{name} = {_listed(args[name])}, but "
+                             f"every k (windows retrieved per token) must be >= 1.")
+    return graph
+
+
+def _listed(value: Any) -> list:
+    """A parsed list setting as its YAML wrote it (pairs as lists, not tuples)."""
+    return [list(v) if isinstance(v, tuple) else v for v in value]
 
 
 def base_lm_shape(cfg: PipelineConfig) -> Optional[tuple[Optional[int], int]]:

@@ -1,7 +1,7 @@
 """Reading config files: a ``gnnlm fit`` config given as one YAML or a list (a base and its
 overlays), each file's text refused with one line naming it when it is missing or not YAML, and
 several merged as LightningCLI merges them. Plain Python and yaml: the pipeline's config and its
-checks read them, and so does the runner that records what a trained part was trained with."""
+checks read them, and so does the training that records what a trained part was trained with."""
 from __future__ import annotations
 
 import os

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from gnnlm.workdir.artifacts import open_array, read_manifest
+from gnnlm.workdir.artifacts import is_complete, open_array, read_manifest
 from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir
 
 # WikiText-2 keeps the `<unk>` of its source in the text: its train, valid and test splits are
@@ -139,7 +139,7 @@ def measure(workdir: Workdir, key: str, metric: str, store: Any = None) -> dict:
     overlap: dict[str, Optional[float]] = {}
     for split in EVAL_SPLITS:
         path = workdir.neighbors(key, metric, split)
-        if not (path / "manifest.json").is_file():
+        if not is_complete(path):
             overlap[split] = None
             continue
         ids = open_array(path, "ids", read_manifest(path, kind="neighbors"))

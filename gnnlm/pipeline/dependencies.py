@@ -18,11 +18,10 @@ must record reading (``tests/test_identity.py``, checked there on that pipeline'
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from gnnlm.pipeline import rows
-from gnnlm.pipeline.config_files import merged_yaml
+from gnnlm.workdir.verify import find_artifacts
 
 if TYPE_CHECKING:
     from gnnlm.pipeline.config import PipelineConfig
@@ -54,10 +53,12 @@ FOLDERS = {"tokens": "tokens", "features": "features", "index": "index",
 
 
 def gnn_reads_pq(configs: list[str]) -> bool:
-    """Whether GNN-LM's window nodes read the PQ codes (its data module's ``node_features``,
-    ``pq`` unless set): then the pipeline builds them before it, and it reads them."""
-    data = (merged_yaml(configs).get("data") or {}).get("init_args") or {}
-    return data.get("node_features", "pq") == "pq"
+    """Whether GNN-LM's window nodes read the PQ codes (``config_checks.reads_pq`` of its parsed
+    data module): then the pipeline builds them before it, and it reads them."""
+    from gnnlm.pipeline.config_checks import reads_pq
+    from gnnlm.pipeline.training import check_fit_config
+
+    return reads_pq(check_fit_config(configs).data)
 
 
 def head_reads(row: str, configs: list[str]) -> tuple[str, ...]:
@@ -114,7 +115,7 @@ def finished(workdir: Workdir, stage: str) -> bool:
     """Whether the work directory holds a complete artifact of ``stage``."""
     folder = (workdir.root / FOLDERS[stage] if stage in FOLDERS
               else workdir.model(rows.model_folder(stage)))
-    return folder.is_dir() and any(Path(folder).rglob("manifest.json"))
+    return folder.is_dir() and bool(find_artifacts(folder)[0])
 
 
 def cascade_line(cfg: PipelineConfig, workdir: Workdir) -> Optional[str]:

@@ -24,16 +24,19 @@ from gnnlm.models.settings import gguf_file, no_context
 from gnnlm.pipeline import data_checks, rows
 from gnnlm.pipeline.ablations import (
     ABLATIONS_VERSION,
+    memory_rows,
     neighbours_label,
     outdated,
     run_ablations,
     scores_label,
 )
-from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config, yaml_list
+from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config
+from gnnlm.pipeline.config_files import yaml_list
 from gnnlm.pipeline.dependencies import cascade_line, gnn_reads_pq
 from gnnlm.pipeline.results import KeyRetrieval, Results
-from gnnlm.pipeline.runner import check_fit_config, fit_with_cli, head_logprobs, memory_rows
+from gnnlm.pipeline.scoring import head_logprobs
 from gnnlm.pipeline.stage_times import StageTimes, timed
+from gnnlm.pipeline.training import check_fit_configs, fit_with_cli
 from gnnlm.retrieval.features import build_all_features
 from gnnlm.retrieval.index import build_index
 from gnnlm.retrieval.knn import fit_and_score, fit_lambda, interpolate
@@ -44,7 +47,13 @@ from gnnlm.text.tokens import HFTokenizer, TokenizerConfig, TokenStore, build_to
 from gnnlm.text.words import SUBWORD_KINDS, scored_words
 from gnnlm.utils import environment
 from gnnlm.utils.metrics import check_finite
-from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
+from gnnlm.workdir.artifacts import (
+    ArtifactBuilder,
+    changed_hint,
+    is_complete,
+    open_array,
+    read_manifest,
+)
 from gnnlm.workdir.checkpoints import datamodule_args
 from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir
 from gnnlm.workdir.lock import lock_workdir
@@ -72,7 +81,7 @@ def stage_base_lm(cfg: PipelineConfig, workdir: Workdir) -> tuple[BaseLM, TokenS
     else:
         ckpt, manifest = spec.ckpt, {}
     model = load_base_lm(ckpt, spec.options() if is_hf(ckpt) else None)
-    existed = (workdir.tokens / "manifest.json").is_file()
+    existed = is_complete(workdir.tokens)
     store = store or stage_tokens(cfg, workdir, ckpt)
     try:
         check_vocabulary(model, store, ckpt)
@@ -152,7 +161,7 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
 def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdir: Workdir,
                    location: str) -> dict:
     """Features of every split with the sliding-window protocol. The windows were checked at
-    load where the base LM's shape was known there (``gnnlm.pipeline.config.base_lm_shape``); the
+    load where the base LM's shape was known there (``config_checks.base_lm_shape``); the
     checks here are the backstop for a model only loading tells (a Hub name not in the local cache).
     The Hugging Face default context (at most ``DEFAULT_CONTEXT``) is said here, once, and each
     features manifest records the context and stride used (``config``, ``protocol``)."""
@@ -224,7 +233,7 @@ def knn_caches(cfg: PipelineConfig, workdir: Workdir, key: str,
 def head_inputs(workdir: Workdir) -> dict:
     """Fingerprints of the artifacts heads read (so a rebuilt datastore retrains them)."""
     inputs = {f"features_{s}": read_manifest(workdir.features(s))["fingerprint"] for s in SPLITS}
-    for nb in sorted((workdir.root / "neighbors").glob("*/train")):
+    for nb in workdir.train_neighbors():
         inputs[f"neighbors_{nb.parent.name}"] = read_manifest(nb)["fingerprint"]
     return inputs
 
@@ -279,8 +288,7 @@ def run(cfg: PipelineConfig) -> dict:
     that folder there too."""
     workdir = Workdir(cfg.root)
     workdir.check_layout()
-    for chain in cfg.fit_chains():  # every trained part's config parses, before any work
-        check_fit_config(chain)
+    check_fit_configs(cfg)  # every trained part's config parses and fits, before any work
     workdir.root.mkdir(parents=True, exist_ok=True)
     # one run per work directory, released when the run ends however it ends (a stop signal)
     with lock_workdir(workdir.root, "pipeline"):

@@ -183,6 +183,13 @@ _READ_LOGS: list[dict[str, str]] = []
 _ARTIFACTS: set[str] = set()
 
 
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a finished artifact: its manifest is there (a build writes it
+    last, then renames ``<name>.partial`` into place). Nothing is read: ``read_manifest`` checks
+    the manifest itself, ``ArtifactBuilder.is_complete`` also that it is the one asked for."""
+    return (Path(path) / MANIFEST).is_file()
+
+
 def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
     """Read the manifest of a complete artifact, with a clear error if there is none or if its
     content changed after it was written (its ``manifest_sha256``; a manifest written before
@@ -224,7 +231,7 @@ def stale_reads(path: str | os.PathLike, manifest: dict) -> list[str]:
     for relative, fingerprint in sorted((manifest.get("reads") or {}).items()):
         source = Path(os.path.normpath(Path(path) / relative))
         now: Optional[str] = None
-        if (source / MANIFEST).is_file():
+        if is_complete(source):
             try:
                 now = str(read_manifest(source).get("fingerprint"))
             except ArtifactError:  # damaged: said of that artifact itself
@@ -404,7 +411,7 @@ class ArtifactBuilder:
         """True if a complete artifact with this fingerprint exists, made from what the work
         directory holds now; raise if one with other settings does. One made from inputs since
         rebuilt (``outdated``) is removed to be built again, and a line says why."""
-        if not (self.path / MANIFEST).is_file():
+        if not is_complete(self.path):
             if self.path.exists() and any(self.path.iterdir()):
                 raise ArtifactError(f"{self.path} exists but has no manifest; remove it or "
                                     f"choose another work directory.")

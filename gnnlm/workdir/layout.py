@@ -5,7 +5,7 @@ in the package joins path pieces. The layout, in pipeline order::
 
     tokens/                               token streams + tokenizer (gnnlm.text.tokens)
     models/<name>/                        trained models: base_lm, gnn, spalm, ...
-                                          (gnnlm.pipeline.runner)
+                                          (gnnlm.pipeline.training)
     features/<split>/                     final/att features, targets, log p_LM
                                           (gnnlm.retrieval.features)
     features/output_embedding/            the base LM's W, b (heads on frozen features read it)
@@ -90,6 +90,11 @@ class Workdir:
 
     def neighbors(self, key: str, metric: str, split: str) -> Path:
         return self.root / "neighbors" / retrieval_tag(key, metric) / split
+
+    def train_neighbors(self) -> list[Path]:
+        """The train neighbours this work directory holds, one folder per key type and
+        similarity (``neighbors/<key>-<metric>/train``), in name order."""
+        return sorted((self.root / "neighbors").glob("*/train"))
 
     def knn_cache(self, key: str, metric: str, scores: str, split: str) -> Path:
         return self.root / "knn_cache" / f"{retrieval_tag(key, metric)}-{scores}" / split

@@ -25,9 +25,9 @@ import numpy as np
 
 from gnnlm.utils.progress import track
 from gnnlm.workdir.artifacts import (
-    MANIFEST,
     RANK_PROGRESS,
     ArtifactBuilder,
+    is_complete,
     read_manifest,
     write_json_atomic,
 )
@@ -172,6 +172,6 @@ class ShardedJob:
                 manifest = builder.finish(
                     extra=self.extra(rank, done, round(time.perf_counter() - t0, 2)))
         rank.barrier()
-        if rank.rank != 0 and (builder.path / MANIFEST).is_file():
+        if rank.rank != 0 and is_complete(builder.path):
             manifest = read_manifest(builder.path)
         return manifest

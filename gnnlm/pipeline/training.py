@@ -1,32 +1,46 @@
-"""Trained parts of the pipeline (the base LM and the heads), run through LightningCLI.
+"""Training a trained part of the pipeline (the base LM, a head, the ablations' memory LM) through
+LightningCLI: its identity, the fit, resuming a killed fit, and its starting weights.
 
 Each becomes an artifact ``workdir.model(name)`` holding ``model.ckpt`` and, for heads, the
-per-token log-probabilities of the valid and test targets (``<split>_logprob``), so that every
-row of the report scores exactly the same tokens, and any other per-token value the model's
-predict gives (SPALM: ``<split>_gate``, the gate's mean over its d dimensions). This is the one
-module of the library that runs the Lightning glue (``gnnlm.lit``, ``datamodules``).
+per-token scores of the valid and test targets (``gnnlm.pipeline.scoring``), so that every row of
+the report scores exactly the same tokens. With ``gnnlm.pipeline.scoring`` and the memory rows of
+``gnnlm.pipeline.ablations``, this is where the library runs the Lightning glue (``gnnlm.lit``,
+``datamodules``); ``check_fit_config`` parses a trained part's config without building it.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
-from gnnlm.models import protocols
-from gnnlm.models.protocols import Protocol
-from gnnlm.utils.metrics import check_finite, ppl_from_logprobs
-from gnnlm.utils.progress import format_seconds, say
+from gnnlm.pipeline.config_checks import check_head
+from gnnlm.pipeline.config_files import merged_texts, merged_yaml
+from gnnlm.pipeline.scoring import choose_eval_k, predict_extras, predict_tokens, scoring_protocol
+from gnnlm.utils.progress import say
 from gnnlm.utils.quiet import quiet_lightning, resumed_fit
-from gnnlm.workdir.artifacts import ArtifactBuilder, changed_hint, open_array, read_manifest
-from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint, plain_classes
+from gnnlm.workdir.artifacts import (
+    ArtifactBuilder,
+    ArtifactError,
+    canonical_json,
+    read_manifest,
+    refusal,
+)
+from gnnlm.workdir.checkpoints import load_checkpoint, plain_classes
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from jsonargparse import Namespace
+
+    from gnnlm.pipeline.config import PipelineConfig
 
 # Settings of a `gnnlm fit` config that do not change what it trains, left out of the trained
 # part's identity: the work directory and the log folder, which fit_with_cli sets on the command
@@ -59,16 +73,13 @@ def fit_values(merged: dict) -> dict:
 def trained_part_config(out: Path, name: str, configs: list[str], inputs: dict,
                         rebuild: bool = False) -> dict:
     """The config a trained part is identified by: its name and the merged values of its YAMLs
-    (``gnnlm.pipeline.config.merged_yaml``, as LightningCLI merges them), so comments, key order,
-    whitespace, and one file split into a base and an overlay do not matter.
+    (``gnnlm.pipeline.config_files.merged_yaml``, as LightningCLI merges them), so comments, key
+    order, whitespace, and one file split into a base and an overlay do not matter.
 
     A trained part recorded before with its YAML texts (``{"name", "yaml"}``) is the same one
     when those texts give the same values: it keeps the config it was recorded with, so its
     fingerprint (which the ablations record for the memory LM) stays. Texts with other values
     are refused here, naming the fields that differ (unless ``rebuild``)."""
-    from gnnlm.pipeline.config import merged_texts, merged_yaml
-    from gnnlm.workdir.artifacts import ArtifactError, canonical_json, refusal
-
     config = {"name": name, "values": fit_values(merged_yaml(configs))}
     if rebuild:
         return config
@@ -180,7 +191,7 @@ def checkpoint_seconds() -> float:
 def instantiate_fit(workdir: Workdir, name: str, configs: list[str],
                     overrides: Optional[list[str]] = None):
     """``gnnlm fit -c configs[0] … [overrides]`` built but not run (LightningCLI ``run=False``):
-    the runner validates before training and passes the checkpoint to resume from to
+    the pipeline validates before training and passes the checkpoint to resume from to
     ``trainer.fit``."""
     from gnnlm.lit.cli import GnnlmCLI
 
@@ -415,161 +426,33 @@ def restore_best_weights(cli) -> None:
         cli.model.load_state_dict(load_checkpoint(best)["state_dict"])
 
 
-def predict_tokens(model, datamodule, split: str, n: int, precision: str = "32-true"
-                   ) -> dict[str, np.ndarray]:
-    """What ``predict`` gives for every position of ``split``, in position order, as float32
-    ``[n]`` arrays by name: ``logprob`` (log p(target)) and any other per-token value of the
-    model's predict outputs (SPALM: ``gate``), on one device with the training run's precision.
-
-    The split is given to the data module (``connect``), which serves it; a model that needs
-    to know it reads it from the batches. The pass prints its progress (tokens, tokens/s,
-    ETA: ``PredictProgress``), naming the evaluation k of a GNN-LM data module."""
-    import pytorch_lightning as pl
-
-    from gnnlm.lit.predict_progress import PredictProgress
-
-    datamodule.connect(predict_split=split)
-    k = getattr(datamodule, "eval_k", None)
-    desc = f"score {type(model).__name__} {split}" + (f" at k = {k}" if k else "")
-    quiet_lightning()  # no device banner before each pass: every Trainer would say it
-    trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, precision=precision,
-                         callbacks=[PredictProgress(n, desc)])
-    outputs = trainer.predict(model, datamodule=datamodule)
-    positions = torch.cat([o["positions"] for o in outputs]).numpy()
-    scored = np.zeros(n, dtype=bool)
-    scored[positions] = True
-    if len(positions) != n or not scored.all():
-        raise RuntimeError(f"predict on {split} scored {len(positions)} positions, expected each "
-                           f"of the {n} exactly once: the evaluation data module must partition "
-                           f"the split (no eval_tokens limit for reports).")
-    arrays = {}
-    for name in (key for key in outputs[0] if key != "positions"):
-        values = np.full(n, np.nan, dtype=np.float32)
-        values[positions] = torch.cat([o[name] for o in outputs]).numpy()
-        arrays[name] = values
-    check_finite(arrays["logprob"], f"{type(model).__name__}'s predicted {split} log p(target)",
-                 "the model gives that target probability 0 or NaN (weights with inf/NaN, or an "
-                 "overflow at this precision): check its training run, or train in 32-bit.")
-    return arrays
-
-
-def predict_logprobs(model, datamodule, split: str, n: int, precision: str = "32-true"
-                     ) -> np.ndarray:
-    """Log p(target) for every position of ``split``, in position order (``predict_tokens``)."""
-    return predict_tokens(model, datamodule, split, n, precision)["logprob"]
-
-
-def choose_eval_k(model, datamodule, n_valid: int, precision: str = "32-true"
-                  ) -> tuple[dict, np.ndarray]:
-    """Score valid with each of the data module's ``eval_ks`` windows per token and keep the
-    best, as kNN-LM's k is chosen on valid (GNN-LM's k is a property of the graph, not of the
-    weights: a model trained with k windows reads any number). Connects the data module to it
-    (``connect(eval_k=...)``) and returns ``({"valid_ppl": {k: ppl}, "seconds": {k: s},
-    "chosen": k}, valid log p at the chosen k)``."""
-    curve, seconds, best = {}, {}, None
-    ks = sorted(set(datamodule.hparams.eval_ks))
-    for i, k in enumerate(ks):
-        datamodule.connect(eval_k=k)
-        say(f"[gnnlm] scoring valid at evaluation k = {k} ({i + 1} of {len(ks)}: "
-            f"{', '.join(map(str, ks))})")
-        t0 = time.perf_counter()
-        logprob = predict_logprobs(model, datamodule, "valid", n_valid, precision)
-        seconds[k] = round(time.perf_counter() - t0, 2)
-        curve[k] = ppl_from_logprobs(logprob)
-        say(f"  valid at k = {k}: ppl {curve[k]:.2f} ({format_seconds(seconds[k])})")
-        if best is None or curve[k] < curve[best[0]]:
-            best = (k, logprob)
-    assert best is not None
-    datamodule.connect(eval_k=best[0])
-    say("[gnnlm] valid ppl by evaluation k: " + ", ".join(
-        f"{k}: {ppl:.2f} ({seconds[k]:.0f} s)" for k, ppl in curve.items())
-        + f"; chosen k = {best[0]}")
-    return ({"valid_ppl": {str(k): v for k, v in curve.items()},
-             "seconds": {str(k): v for k, v in seconds.items()}, "chosen": best[0]}, best[1])
-
-
-def predict_extras(model) -> dict:
-    """Per-model extras saved in the manifest beside the scores (a model with
-    ``report_extras()`` says its own: SPALM end to end its settings and k curve) and, under
-    ``deviations``, the options on that depart from the model's paper (``deviations()``),
-    which the report names in the row's label."""
-    deviations = model.deviations() if callable(getattr(model, "deviations", None)) else []
-    extras: dict = {"deviations": deviations} if deviations else {}
-    if callable(getattr(model, "report_extras", None)):
-        return {**model.report_extras(), **extras}
-    return extras
-
-
-def scoring_protocol(model, datamodule, workdir: Workdir) -> Protocol:
-    """How the head's valid/test scores were computed (``gnnlm.models.protocols``): the data
-    module's own protocol for the model's memory, or, for heads that score the datastore's positions
-    (features, graphs), the features' sliding windows."""
-    own = getattr(datamodule, "scoring_protocol", None)
-    if callable(own):
-        return own(int(getattr(model, "memory_length", 0) or 0))
-    return protocols.of_features(workdir.features_manifest("test"))
-
-
-def head_logprobs(workdir: Workdir, name: str, split: str) -> np.ndarray:
-    """A head's saved log p(target) of ``split``, refused when a value is inf or NaN."""
-    path = workdir.model(name)
-    manifest = read_manifest(path)
-    values = np.asarray(open_array(path, f"{split}_logprob", manifest))
-    file = path / manifest["arrays"][f"{split}_logprob"]["file"]
-    check_finite(values, str(file), changed_hint(path, "trained_model"))
-    return values
-
-
-def memory_rows(workdir: Workdir, name: str) -> list[dict]:
-    """Transformer-XL short-term memory on and off: the memory LM trained as ``name`` on its
-    test split, served as contiguous segments of parallel streams; the memory is carried, or
-    dropped."""
-    import pytorch_lightning as pl
-
-    from datamodules.lm import LMDataModule
-
-    ckpt = workdir.model(name) / "model.ckpt"
-    model = load_language_model(ckpt)
-    data = LMDataModule(**{**datamodule_args(ckpt), "workdir": str(workdir.root),
-                           "segments": True})
-    model.check_vocabulary(data.vocab_fingerprint, f"the tokens in {workdir.tokens}")
-    rows = []
-    for length in (model.memory_length, 0):
-        model = load_language_model(ckpt, {"memory_length": length})  # the same weights
-        trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False)
-        (metrics,) = trainer.test(model, datamodule=data, verbose=False)
-        protocol = data.scoring_protocol(length)
-        tokens = int(metrics["test/tokens"])
-        rows.append({"row": f"Transformer-XL base LM, memory "
-                            f"{f'M = {length}' if length else 'off'}",
-                     "test_ppl": float(metrics["test/ppl"]), "tokens": tokens,
-                     "segment": data.hparams.block_size, "protocol": protocol,
-                     "mean_left_context": float(protocols.left_context(protocol, tokens).mean())})
-    return rows
-
-
-def load_language_model(ckpt: str | Path, hparams: Optional[dict] = None):
-    """A ``gnnlm.lit.lm.LanguageModel`` from a checkpoint, read as plain data."""
-    from gnnlm.lit.lm import LanguageModel
-
-    checkpoint = load_checkpoint(ckpt)
-    saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items()
-             if not k.startswith("_")}
-    model = LanguageModel(**{**saved, **(hparams or {})})
-    model.load_state_dict(checkpoint["state_dict"])
-    return model.eval()
-
-
 class _Parsed(Exception):
-    """Raised by ``check_fit_config`` once LightningCLI has parsed, before it builds anything."""
+    """Raised by ``check_fit_config`` once LightningCLI has parsed, before it builds anything,
+    with the parsed ``fit`` namespace."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
 
 
-def check_fit_config(configs: list[str]) -> None:
-    """Parse ``gnnlm fit -c configs[0] -c configs[1] …`` without building anything: an unknown
-    key, a typo'd class path or a value of the wrong type stops the pipeline before its slow
-    stages, with one message naming the files."""
+def check_fit_config(configs: list[str]) -> Namespace:
+    """Parse ``gnnlm fit -c configs[0] -c configs[1] …`` without building anything and return
+    the parsed ``fit`` namespace (every argument, with the classes' defaults for what the YAMLs
+    leave out): an unknown key, a typo'd class path or a value of the wrong type stops the
+    pipeline before its slow stages, with one message naming the files. A chain parsed before
+    with the same texts is not parsed again."""
+    texts: list[Optional[str]] = []
+    for path in configs:
+        try:
+            texts.append(Path(path).read_text())
+        except OSError:
+            texts.append(None)  # the parser says what is wrong with it
+    return _parsed_fit_config(tuple(configs), tuple(texts))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_fit_config(configs: tuple[str, ...], texts: tuple[Optional[str], ...]) -> Namespace:
+    """``check_fit_config``'s parse, once per chain of files and their texts."""
     import contextlib
     import io
 
@@ -577,7 +460,7 @@ def check_fit_config(configs: list[str]) -> None:
 
     class ParseOnly(GnnlmCLI):
         def before_instantiate_classes(self) -> None:
-            raise _Parsed()
+            raise _Parsed(self.config["fit"])
 
     quiet_lightning()
     printed = io.StringIO()
@@ -587,8 +470,8 @@ def check_fit_config(configs: list[str]) -> None:
         with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(io.StringIO()):
             ParseOnly(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
                       args=["fit", *(a for c in configs for a in ("-c", c))])
-    except _Parsed:
-        return
+    except _Parsed as parsed:
+        return parsed.config
     except SystemExit:
         text = printed.getvalue()
         error = text[text.find("error:") + len("error:"):] if "error:" in text else text
@@ -605,9 +488,20 @@ def check_fit_config(configs: list[str]) -> None:
                          f"{' '.join(details)[:600]}") from None
     finally:
         seed_log.setLevel(level)
+    raise AssertionError("LightningCLI returned without parsing")  # ParseOnly always raises
 
 
-def _cli_bases():
+def check_fit_configs(cfg: PipelineConfig) -> None:
+    """Parse every trained part's config (``check_fit_config``), then check each head's parsed
+    data module against the retrieval artifacts the pipeline builds
+    (``gnnlm.pipeline.config_checks.check_head``): before any work, nothing built."""
+    for chain in cfg.fit_chains():
+        check_fit_config(chain)
+    for row, paths in cfg.heads().items():
+        check_head(cfg, row, paths, check_fit_config(paths).data)
+
+
+def _cli_bases() -> tuple[type[pl.LightningModule], type[pl.LightningDataModule]]:
     import pytorch_lightning as pl
 
     return pl.LightningModule, pl.LightningDataModule
