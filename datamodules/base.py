@@ -5,6 +5,9 @@ LM's output embedding, and the valid/test/predict loaders.
 
 The split that ``predict`` scores is ``predict_split``: the init argument, or what whoever runs
 predict sets (``gnnlm.pipeline.runner`` scores valid and test in turn).
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

@@ -26,6 +26,9 @@ The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger
 ``reload_dataloaders_every_n_epochs: 1``. Evaluation uses ``graph.k``, which must be the
 schedule's last k, unless ``eval_k`` is set: a trained GNN-LM reads any number of windows, and
 ``eval_ks`` lists the values ``gnnlm pipeline`` scores on valid to choose the one it reports.
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 
