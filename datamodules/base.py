@@ -7,6 +7,9 @@ What is known only when the data module runs, not when it is configured, comes i
 method, ``connect`` (as litgpt's data modules take their tokenizer): the split ``predict``
 scores (``gnnlm.pipeline.scoring`` scores valid and test in turn with one data module) and, for
 GNN-LM's graphs, the evaluation k.
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

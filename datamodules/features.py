@@ -4,6 +4,9 @@ their feature ``h`` (of ``key``), target, and — when ``retrieved > 0`` — the
 of their first ``retrieved`` neighbours among the train ``key`` keys under ``metric`` (-1 = none;
 train queries were masked for leakage when the neighbours were built). Blocks partition each
 split, so evaluation scores every token once, the same tokens as every other row of a report.
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

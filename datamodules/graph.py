@@ -27,6 +27,9 @@ The k curriculum (GNN-LM §4.1: train with small k, then fine-tune with a larger
 schedule's last k, unless ``connect(eval_k=...)`` sets another: a trained GNN-LM reads any number
 of windows, and ``eval_ks`` lists the values ``gnnlm pipeline`` scores on valid to choose the one
 it reports. This module is the one owner of k: the model reads the k of each batch.
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

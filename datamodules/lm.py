@@ -12,6 +12,9 @@ The corpus is tokenized once into ``<workdir>/tokens`` when the module is create
 how ``vocab_size`` is known in time to be linked into the model. ``vocab_fingerprint`` (the
 ordered token list's hash) is what the ids mean: the LM records it in its checkpoint
 (``gnnlm.lit.lm.LanguageModel``).
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ base LM are those of the datastore: the token stream of split s is ``[bos] + tar
 ``features/<s>``; training uses non-overlapping blocks of the train prefix that the train
 neighbours cover (leakage-masked when they were built); valid/test use the features' sliding
 windows (context C, stride S), so each position is scored once with the context its feature had.
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ Lightning's default ``DistributedSampler`` pads the last round with repeated ite
 rank gets as many; a token-weighted perplexity would then count some tokens twice. Evaluation
 loaders use ``UnpaddedShards`` instead: rank r reads items r, r + W, r + 2W, ... and nothing
 twice (Lightning keeps a sampler that is already a ``DistributedSampler``).
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

@@ -15,6 +15,9 @@ scored exactly once (padding is masked). This is how Transformer-XL is evaluated
 without memory reads each segment alone. Every stream starts cold, so the scores depend on S:
 valid/test use ``eval_streams`` streams in all, shared among the processes, so that the
 protocol (``scoring_protocol``, recorded with every row) is the same on one device or eight.
+
+Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
+(``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
 """
 from __future__ import annotations
 

@@ -1,12 +1,23 @@
-"""The README's demo numbers are those of the committed run, ``results/wikitext2-cpu/``
-(``make demo`` from an empty work directory on a clean clone of the commit the run names): its
-tables, its retrieval facts and its stage times, every one compared with the files."""
+"""The README stays true.
+
+- Its numbers are those of the committed runs, ``results/wikitext2-cpu/`` (``make demo`` from an
+  empty work directory on a clean clone of the commit the run names) and
+  ``results/wikitext2-smollm2-cpu/``: their tables, retrieval facts and stage times, every one
+  compared with the files.
+- Every ``gnnlm ...`` and ``make ...`` command it shows names a command or target that exists,
+  and every config file it names is there and is YAML.
+- The test counts it states are what pytest collects.
+"""
 from __future__ import annotations
 
 import json
 import re
+import shlex
+import subprocess
+import sys
 
 import pytest
+import yaml
 from conftest import REPO
 
 RUN = REPO / "results" / "wikitext2-cpu"
@@ -16,6 +27,19 @@ MINUS = "\N{MINUS SIGN}"
 def _signed(value: float, digits: int = 2) -> str:
     """A number as the README writes it: a minus sign, not a hyphen."""
     return f"{value:.{digits}f}".replace("-", MINUS)
+
+
+README = REPO / "README.md"
+
+
+def _section(heading: str) -> str:
+    """The README's section that starts with ``heading``, up to the next heading of its level
+    or above (a sub-section of it stays in)."""
+    text = README.read_text()
+    start = text.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    found = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, start + 1)
+    return text[start:found.start() if found else len(text)]
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +55,7 @@ def stage_times() -> dict:
 @pytest.fixture(scope="module")
 def section() -> str:
     """The README's section on the demo, up to the next section."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("### On a 2-core CPU: `make demo`")
-    return text[start:text.index("\n### ", start + 1)]
+    return _section("### On a 2-core CPU: `make demo`")
 
 
 def test_the_run_names_a_commit_of_this_repository_and_had_no_changes(results, stage_times,
@@ -122,9 +144,7 @@ def smollm2() -> dict:
 @pytest.fixture(scope="module")
 def smollm2_section() -> str:
     """The README's section on SmolLM2-135M as the base LM, up to the next section."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("### SmolLM2-135M as the frozen base LM")
-    return text[start:text.index("\n### ", start + 1)]
+    return _section("### SmolLM2-135M as the frozen base LM")
 
 
 def test_the_smollm2_run_names_its_commit_and_had_no_changes(smollm2, smollm2_section):
@@ -172,3 +192,146 @@ def test_the_smollm2_datastore_curve_is_the_committed_run_s(smollm2, smollm2_sec
         change = _signed((point["test_ppl"] / base - 1) * 100, 1)
         line = next(x for x in lines if x.startswith(f"| {point['fraction']:.0%} | "))
         assert line.endswith(f" | {point['test_ppl']:.2f} | {change}% |"), line
+
+
+# -- the commands the README shows -----------------------------------------------------------
+
+COMMAND = re.compile(r"^(?:# )?((?:gnnlm|make) .*)")
+
+
+def _code() -> list[str]:
+    """The command lines of the README's code: indented and fenced blocks (a trailing ``\\``
+    joins the next line; ``#`` comments cut off) and inline spans that start with a command.
+    A fenced YAML block's first line, ``# gnnlm ...``, is the command that runs it."""
+    lines, fenced, block = [], False, []
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or line.startswith("    "):
+            block.append(line.strip())
+    joined = "\n".join(block).replace("\\\n", " ")
+    for line in joined.splitlines():
+        found = COMMAND.match(line)
+        if found:
+            lines.append(re.split(r"\s+# ", found.group(1))[0])
+    prose = re.sub(r"^```.*?^```", "", README.read_text(), flags=re.S | re.M)
+    # a span opens with a run of backticks and closes with a run as long (``a `b` c``)
+    spans = [" ".join(found.group(2).split()) for found in
+             re.finditer(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", prose, re.S)]
+    lines += [span for span in spans if COMMAND.match(span)]
+    return lines
+
+
+def _words(line: str) -> list[str]:
+    """A command line's words; ``[...]`` (an optional part) and ``...`` are not words."""
+    line = re.sub(r"(?<![=\w])\[[^\]]*\]", " ", line)
+    try:
+        words = shlex.split(line)
+    except ValueError:  # an unbalanced quote in prose: the plain split
+        words = line.split()
+    return [w for w in words if w != "..."]
+
+
+def _commands(program: str) -> list[list[str]]:
+    """Every ``program ...`` command the README shows, as words; a line that is the program's
+    output (``gnnlm score: error: ...``) is none."""
+    found = []
+    for line in _code():
+        words = _words(line)
+        if words and words[0] == program and len(words) > 1 and not words[1].endswith(":"):
+            found.append(words)
+    return found
+
+
+def test_the_readme_shows_commands_of_both_programs():
+    """The parsing finds what the README shows, so the tests below check something."""
+    gnnlm = {words[1] for words in _commands("gnnlm")}
+    make = {words[1] for words in _commands("make")}
+    assert {"pipeline", "fit", "score", "generate", "explain", "verify", "sweep"} <= gnnlm
+    assert {"demo", "test", "test-unit", "setup", "lint"} <= make
+
+
+def test_every_gnnlm_command_in_the_readme_exists_and_its_help_lists_it():
+    from gnnlm.cli import COMMANDS
+    from gnnlm.lit import LIGHTNING_COMMANDS
+
+    known = {*COMMANDS, *LIGHTNING_COMMANDS}
+    shown = {name for words in _commands("gnnlm") if not words[1].startswith("-")
+             for name in words[1].split("/")}  # ``gnnlm validate/test/predict``
+    assert shown <= known, f"the README shows gnnlm commands that do not exist: {shown - known}"
+    # ``gnnlm --help`` imports no command (fast): every command it lists is one the CLI runs
+    usage = subprocess.run([sys.executable, "-m", "gnnlm.cli", "--help"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0, usage.stderr
+    for name in shown:
+        assert re.search(rf"\b{name}\b", usage.stdout), name
+
+
+def test_every_make_target_in_the_readme_is_in_the_makefile():
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    shown = {words[1] for words in _commands("make")}
+    assert shown <= targets, f"the README shows make targets the Makefile lacks: {shown - targets}"
+
+
+def test_every_config_the_readme_names_exists_and_is_yaml():
+    """Each ``-c`` file of a command, and each ``configs/...yaml`` path anywhere in the README."""
+    given = {words[i + 1] for words in _commands("gnnlm") for i, word in enumerate(words[:-1])
+             if word in ("-c", "--config") and words[i + 1].endswith((".yaml", ".yml"))}
+    named = set(re.findall(r"\bconfigs/[\w./-]+?\.ya?ml\b", README.read_text()))
+    assert given and named
+    for path in sorted(given | named):
+        file = REPO / path
+        assert file.is_file(), f"the README names {path}, which does not exist"
+        assert isinstance(yaml.safe_load(file.read_text()), dict), f"{path} holds no settings"
+
+
+def test_the_pipeline_options_in_the_readme_are_fields_of_the_pipeline_config():
+    """``gnnlm pipeline ... --section.field=value``: the section and field exist (the light
+    config module; no stage runs)."""
+    from dataclasses import fields, is_dataclass
+    from typing import get_args, get_type_hints
+
+    from gnnlm.pipeline.config import PipelineConfig
+
+    sections = get_type_hints(PipelineConfig)  # an optional section: Optional[its dataclass]
+    checked = 0
+    for words in _commands("gnnlm"):
+        if words[1] != "pipeline":
+            continue
+        for word in words[2:]:
+            if not word.startswith("--") or word.startswith(("--help", "--debug")):
+                continue
+            section, _, name = word[2:].split("=", 1)[0].partition(".")
+            assert section in sections, f"{word}: PipelineConfig has no section {section!r}"
+            if name:
+                kind = next((t for t in (sections[section], *get_args(sections[section]))
+                             if is_dataclass(t)), None)
+                assert kind is not None and name in {f.name for f in fields(kind)}, (
+                    f"{word}: the {section} section has no field {name!r}")
+            checked += 1
+    assert checked
+
+
+# -- the test counts it states -----------------------------------------------------------------
+
+@pytest.mark.integration  # collecting every test module imports torch, Lightning, PyG, faiss:
+def test_the_test_counts_the_readme_states_are_what_pytest_collects():  # not the edit loop
+    """``make test`` runs all N tests and ``make test-unit`` M of them, as pytest collects
+    them now (the markers ``make test-unit`` deselects)."""
+    text = " ".join(_section("## The two commands").split())
+    total = int(re.search(r"`make test` runs all ([\d,]+) tests", text).group(1).replace(",", ""))
+    unit = int(re.search(r"`make test-unit` runs ([\d,]+) of them", text).group(1)
+               .replace(",", ""))
+    makefile = (REPO / "Makefile").read_text()
+    marks = re.search(r"^test-unit:.*\n\t.*-m \"([^\"]+)\"", makefile, re.M).group(1)
+    assert f'-m "{marks}"' in text  # the README says which tests the target leaves out
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-m", marks, "tests"], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    counts = re.search(r"^(\d+)/(\d+) tests collected", collected.stdout, re.M)
+    assert counts, collected.stdout[-500:]
+    assert (unit, total) == (int(counts.group(1)), int(counts.group(2))), (
+        f"the README says {total} tests, {unit} of them in make test-unit; pytest collects "
+        f"{counts.group(2)}, {counts.group(1)} of them without {marks}: update the README")

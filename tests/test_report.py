@@ -60,6 +60,27 @@ def test_row_names():
         "SPALM (short + long-term memory) (+gate bias)"
 
 
+def test_a_row_carries_the_head_that_scored_it_and_that_head_s_model_folder():
+    """What reads a report's rows (the report's protocols, ``gnnlm.load``) takes the head and
+    its folder from the ``Row``; every name the pipeline makes gives its ``Row`` back."""
+    made = {
+        rows.BASE: (None, None, False), rows.knn_row("att", "final"): (None, None, True),
+        rows.GNN: ("gnn", "gnn", False), rows.GNN_KNN: ("gnn", "gnn", True),
+        rows.learned_wds_row(0, 1): ("learned_wds", "learned_wds", False),
+        rows.learned_wds_row(1, 3): ("learned_wds[n=3]", "learned_wds_n3", False),
+        rows.with_base(rows.learned_wds_row(1, 3)): ("learned_wds[n=3]", "learned_wds_n3", True),
+        "spalm_xl_variant": ("spalm_xl_variant", "spalm_xl_variant", False)}
+    for name, (head, folder, interpolation) in made.items():
+        row = rows.row(name)
+        assert (row.name, row.head, row.folder, row.interpolation) == \
+            (name, head, folder, interpolation), name
+        assert row.on_base_lm == (head is None)
+    for name in rows.HEAD_FIELDS:  # a trained row is its own head, in a folder of its name
+        assert rows.row(name).trained and rows.row(name).head == rows.row(name).folder == name
+    with pytest.raises(ValueError, match="'knn' is not a trained row"):
+        rows.model_folder(rows.KNN)
+
+
 def test_the_registry_orders_rows_and_names_the_config_s_head_fields():
     from gnnlm.pipeline.config import PipelineConfig
 
@@ -71,10 +92,8 @@ def test_the_registry_orders_rows_and_names_the_config_s_head_fields():
     # every trained head is configured by the pipeline config's field of its name
     assert set(rows.HEAD_FIELDS) <= {f.name for f in fields(PipelineConfig)}
     assert set(PipelineConfig().heads()) <= set(rows.HEAD_FIELDS)
-    assert [n for n in names if rows.is_interpolation(n)] == [
+    assert [n for n in names if rows.row(n).interpolation] == [
         "learned_wds+base", "knn[ffn]", "gnn+knn", "knn", "knn[att]"]
-    assert rows.head_of("gnn+knn") == "gnn" and rows.head_of("learned_wds[n=3]+base") == \
-        "learned_wds[n=3]"
     assert rows.knn_row("final", "final") == "knn" and rows.knn_row("att", "final") == "knn[att]"
     assert rows.learned_wds_row(1, 3) == "learned_wds[n=3]"
     assert rows.model_folder("learned_wds[n=3]") == "learned_wds_n3"

@@ -149,10 +149,11 @@ class Decoder:
         lm.served.check_row(row)
         self.lm, self.row, self.settings, self.incremental = lm, row, settings, incremental
         self.frozen = LMReader(lm.base_lm, lm, incremental)
-        on_base_lm = row == rows.BASE or lm.served.is_knn(row)
+        served = lm.served.row(row)
         self.knn = lm.served.retrieval(row) if lm.served.is_knn(row) or row == rows.GNN_KNN \
             else None
-        self.head = None if on_base_lm else lm.head(rows.head_of(row))
+        self.head = None if served.on_base_lm else lm.head(row)
+        self.with_base = served.interpolation and self.knn is None  # <head>+base
         self.gnn = GNNReader(lm, self.head, incremental) if isinstance(self.head, TrainedGNN) \
             else None
         self.tuned = LMReader(self.head.lm, lm, incremental) \
@@ -216,8 +217,7 @@ class Decoder:
         if self.knn is not None:
             under = self.gnn_logprobs() if row == rows.GNN_KNN else self.base_logprobs()
             return interpolate_support(under, *self.knn_support(), self.settings.weight)
-        head_row = rows.head_of(row)
-        if head_row != row:  # <head>+base: the head interpolated with the base LM
+        if self.with_base:  # <head>+base: the head interpolated with the base LM
             return interpolate(self.base_logprobs(), self.head_logprobs(tokens),
                                self.settings.weight)
         if row == rows.BASE:

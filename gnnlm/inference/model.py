@@ -77,7 +77,7 @@ class TrainedLM:
         """A row's settings: what the pipeline fitted on valid, with ``overrides``
         (``knn_k``, ``knn_temperature``, ``lam``, ``gnn_k``), checked against what is stored."""
         self.served.check_row(row)
-        reads_gnn = self.served.head_folder(row) == "gnn"
+        reads_gnn = self.served.row(row).head == "gnn"
         settings = self.served.settings(row, self.gnn().graph.k if reads_gnn else None)
         settings = settings.override(**overrides)
         stored = {"knn_k": lambda: self.lookup(*self.served.retrieval(row)[:2]).K,

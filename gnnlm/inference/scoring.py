@@ -162,8 +162,8 @@ def row_logprobs(inputs: Inputs, row: str, settings: RowSettings) -> tuple[np.nd
         under = inputs.frozen["logprob"] if row != rows.GNN_KNN else \
             row_logprobs(inputs, rows.GNN, settings)[0]
         return knn_interpolated(inputs, row, under, settings), sliding
-    head_row = rows.head_of(row)
-    if head_row != row:  # <head>+base: the head interpolated with the base LM
+    head_row = lm.served.row(row).head
+    if head_row is not None and head_row != row:  # <head>+base: the head with the base LM
         alone = row_logprobs(inputs, head_row, lm.settings(head_row))[0]
         return interpolate(inputs.frozen["logprob"], alone, settings.weight), sliding
     head = lm.head(row)

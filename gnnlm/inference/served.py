@@ -121,15 +121,19 @@ class Served:
             raise NotServed(f"{self.workdir.root} has no row {row!r}; its rows are "
                             f"{', '.join(self.rows)}.")
 
+    def row(self, name: str) -> rows.Row:
+        """The report's row ``name``: its label, and the head and model folder it reads."""
+        self.check_row(name)
+        return rows.row(name)
+
     def settings(self, row: str, gnn_k: Optional[int] = None) -> RowSettings:
         """The row's defaults: what the pipeline fitted on valid (``gnn_k``: the GNN-LM's
         chosen evaluation k, for rows that read GNN-LM)."""
         self.check_row(row)
         fitted = self.hparams.get(row, {})
-        head = rows.head_of(row)
         return RowSettings(
             knn_k=fitted.get("k"), knn_temperature=fitted.get("temperature"),
-            lam=fitted.get("lambda"), gnn_k=gnn_k if head == rows.GNN else None)
+            lam=fitted.get("lambda"), gnn_k=gnn_k if self.row(row).head == rows.GNN else None)
 
     def retrieval(self, row: str) -> tuple[str, str, str]:
         """``(key, metric, scores)`` of the kNN-LM a row interpolates with."""
@@ -147,8 +151,12 @@ class Served:
 
     def head_folder(self, row: str) -> str:
         """The ``models/`` folder of the head a row reads (``gnn+knn``: ``gnn``)."""
-        return rows.model_folder(rows.head_of(row))
+        folder = rows.row(row).folder
+        if folder is None:
+            raise NotServed(f"row {row!r} reads no trained model: the base LM scores it.")
+        return folder
 
     def is_knn(self, row: str) -> bool:
         """kNN-LM on the base LM: ``knn`` or ``knn[<key>]``."""
-        return row == rows.KNN or row.startswith(f"{rows.KNN}[")
+        served = rows.row(row)
+        return served.interpolation and served.on_base_lm

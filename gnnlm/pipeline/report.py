@@ -183,7 +183,7 @@ def row_protocols(names: list[str], heads: dict, features: Protocol) -> dict[str
 
     protocol_of = {}
     for name in names:
-        head = name if name in heads else rows.head_of(name)
+        head = rows.row(name).head
         protocol_of[name] = of_head(heads[head]) if head in heads else features
     return protocol_of
 

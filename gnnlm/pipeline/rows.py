@@ -13,29 +13,49 @@ A row is one model's per-token scores of the same test tokens. Three kinds:
   W_ds with the base LM (``<head>+base``).
 
 The results.json keys are these names; tables list them in ``ROWS`` order (each ``knn[<key>]``
-after ``knn``, rows of no fixed place such as ``learned_wds…`` sorted at the end). Plain Python:
-the config module reads it.
+after ``knn``, rows of no fixed place such as ``learned_wds…`` sorted at the end). A name is all
+a report keeps of a row, so ``row(name)`` gives back the whole ``Row``, with the head that
+scored it and that head's folder under ``models/``: the families of names (``knn[<key>]``,
+``learned_wds[n=…]``, ``<head>+base``) are made and read back here, next to each other, and
+nowhere else. Plain Python: the config module reads it.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
 class Row:
-    """One report row. ``head``: trained by ``gnnlm fit`` and configured by the pipeline
+    """One report row. ``trained``: trained by ``gnnlm fit`` and configured by the pipeline
     config's field ``name``. ``interpolation``: a mixture fitted on valid, not a model of its
-    own. ``spalm_baseline``: a SPALM row, whose gate and frequency analyses compare it with
-    that row on the same tokens. ``fixed``: the row has its place in the tables' order (a
-    family such as ``learned_wds…`` is sorted at the end)."""
+    own. ``head``: the trained row whose model scored this row's tokens (the row itself, or
+    what an interpolation mixes: ``gnn`` for ``gnn+knn``); None where only the base LM did
+    (``base``, ``knn``). ``folder``: that head's folder under ``models/`` (no brackets in
+    paths: ``learned_wds[n=3]`` → ``learned_wds_n3``). ``spalm_baseline``: a SPALM row, whose
+    gate and frequency analyses compare it with that row on the same tokens. ``fixed``: the row
+    has its place in the tables' order (a family such as ``learned_wds…`` is sorted at the
+    end)."""
     name: str
     label: str
-    head: bool = False
+    trained: bool = False
     interpolation: bool = False
+    head: Optional[str] = None
+    folder: Optional[str] = None
     spalm_baseline: Optional[str] = None
     fixed: bool = True
+
+    @property
+    def on_base_lm(self) -> bool:
+        """Scored by the base LM alone, or with kNN-LM: no trained model is read."""
+        return self.head is None
+
+
+def trained_row(name: str, label: str, folder: Optional[str] = None, **kinds: Any) -> Row:
+    """A trained row: its own head, in ``models/<folder>`` (``name`` unless given)."""
+    return Row(name, label, trained=True, head=name, folder=folder or name, **kinds)
 
 
 BASE = "base"
@@ -47,29 +67,32 @@ LEARNED_WDS = "learned_wds"
 ROWS: tuple[Row, ...] = (
     Row(BASE, "base LM"),
     Row(KNN, "+kNN", interpolation=True),
-    Row(GNN, "+GNN", head=True),
-    Row(GNN_KNN, "+GNN+kNN", interpolation=True),
-    Row("spalm", "SPALM: gate on frozen LM", head=True, spalm_baseline=BASE),
-    Row("spalm_ft", "SPALM: gate + last block", head=True, spalm_baseline=BASE),
-    Row("transformer", "transformer (no memory)", head=True),
-    Row("transformer_xl", "Transformer-XL (short-term memory)", head=True),
-    Row("spalm_xl", "SPALM (short + long-term memory)", head=True,
-        spalm_baseline="transformer_xl"),
+    trained_row(GNN, "+GNN"),
+    Row(GNN_KNN, "+GNN+kNN", interpolation=True, head=GNN, folder=GNN),
+    trained_row("spalm", "SPALM: gate on frozen LM", spalm_baseline=BASE),
+    trained_row("spalm_ft", "SPALM: gate + last block", spalm_baseline=BASE),
+    trained_row("transformer", "transformer (no memory)"),
+    trained_row("transformer_xl", "Transformer-XL (short-term memory)"),
+    trained_row("spalm_xl", "SPALM (short + long-term memory)", spalm_baseline="transformer_xl"),
     # its options are named after it, from the head's manifest (``label``'s ``deviations``)
-    Row("spalm_xl_variant", "SPALM (short + long-term memory)", head=True,
-        spalm_baseline="transformer_xl"),
-    # one row per config: ``learned_wds``, ``learned_wds[n=…]``; labelled by ``label``
-    Row(LEARNED_WDS, "learned W_ds", head=True, fixed=False),
+    trained_row("spalm_xl_variant", "SPALM (short + long-term memory)",
+                spalm_baseline="transformer_xl"),
+    # one row per config: ``learned_wds``, ``learned_wds[n=…]`` (``learned_wds_row``)
+    trained_row(LEARNED_WDS, "learned W_ds alone", fixed=False),
 )
 BY_NAME = {row.name: row for row in ROWS}
 
 # the pipeline config's fields of trained heads, in table order (each a ``HeadConfig`` but
 # ``learned_wds``, a list of configs); ``--rebuild`` names a head by its row
-HEAD_FIELDS: tuple[str, ...] = tuple(row.name for row in ROWS if row.head)
+HEAD_FIELDS: tuple[str, ...] = tuple(row.name for row in ROWS if row.trained)
 HEAD_CONFIGS: tuple[str, ...] = tuple(name for name in HEAD_FIELDS if name != LEARNED_WDS)
 # the SPALM rows and the row each is compared with (Yogatama et al. 2021, §5)
 SPALM_BASELINES: dict[str, str] = {row.name: row.spalm_baseline for row in ROWS
                                    if row.spalm_baseline is not None}
+
+_KNN_KEY = re.compile(rf"{KNN}\[(?P<key>[^\]]+)\]")
+_LEARNED_WDS_N = re.compile(rf"{LEARNED_WDS}\[n=(?P<n>\d+)\]")
+_WITH_BASE = f"+{BASE}"
 
 
 def knn_row(key: str, primary: str) -> str:
@@ -79,7 +102,7 @@ def knn_row(key: str, primary: str) -> str:
 
 def with_base(head: str) -> str:
     """The row of ``head`` interpolated with the base LM (Xu et al. 2023 §4.1)."""
-    return f"{head}+{BASE}"
+    return f"{head}{_WITH_BASE}"
 
 
 def learned_wds_row(position: int, embeddings_per_word: int) -> str:
@@ -88,24 +111,34 @@ def learned_wds_row(position: int, embeddings_per_word: int) -> str:
     return LEARNED_WDS if position == 0 else f"{LEARNED_WDS}[n={embeddings_per_word}]"
 
 
-def model_folder(row: str) -> str:
-    """The name of a head row's folder under ``models/`` (no brackets in paths):
-    ``learned_wds[n=3]`` → ``learned_wds_n3``."""
-    return row.replace("[n=", "_n").rstrip("]")
+def row(name: str) -> Row:
+    """The row called ``name``: a registry row, or one of the families the functions above
+    name (``knn[<key>]``, ``learned_wds[n=…]``, ``<head>+base``). A name of none of them is a
+    row of no known kind, labelled by its name."""
+    if name in BY_NAME:
+        return BY_NAME[name]
+    if name.endswith(_WITH_BASE):
+        head = row(name[:-len(_WITH_BASE)])
+        if head.trained:
+            return Row(name, f"{BY_NAME[BASE].label} + {head.label.removesuffix(' alone')}",
+                       interpolation=True, head=head.head, folder=head.folder, fixed=False)
+    if match := _KNN_KEY.fullmatch(name):
+        return Row(name, f"{BY_NAME[KNN].label}, {match['key']} keys", interpolation=True,
+                   fixed=False)
+    if match := _LEARNED_WDS_N.fullmatch(name):
+        n = match["n"]
+        return trained_row(name, f"learned W_ds (n = {n}) alone",
+                           folder=f"{LEARNED_WDS}_n{n}", fixed=False)
+    return Row(name, name, fixed=False)
 
 
-def head_of(name: str) -> str:
-    """The row whose model scored ``name``'s tokens: the row itself, or for an interpolation
-    with kNN-LM or the base LM (``gnn+knn``, ``learned_wds+base``) its head."""
-    return name.split("+")[0]
-
-
-def is_interpolation(name: str) -> bool:
-    """Whether ``name`` is a mixture fitted on valid: ``knn``, ``knn[<key>]``, ``gnn+knn``,
-    ``<head>+base``."""
-    row = BY_NAME.get(name)
-    return (row.interpolation if row is not None else
-            name.startswith(f"{KNN}[") or "+" in name)
+def model_folder(name: str) -> str:
+    """The folder under ``models/`` of the trained row ``name`` (``learned_wds[n=3]`` →
+    ``learned_wds_n3``)."""
+    folder = row(name).folder
+    if folder is None:
+        raise ValueError(f"{name!r} is not a trained row: it has no folder under models/.")
+    return folder
 
 
 def is_spalm(name: str) -> bool:
@@ -118,27 +151,17 @@ def order(names: Iterable[str]) -> list[str]:
     ``knn``, then every other row sorted."""
     names = list(names)
     placed: list[str] = []
-    for row in ROWS:
-        if not row.fixed:
+    for fixed in ROWS:
+        if not fixed.fixed:
             continue
-        placed.append(row.name)
-        if row.name == KNN:
-            placed += sorted(n for n in names if n.startswith(f"{KNN}["))
+        placed.append(fixed.name)
+        if fixed.name == KNN:
+            placed += sorted(n for n in names if _KNN_KEY.fullmatch(n))
     return ([n for n in placed if n in names] + sorted(n for n in names if n not in placed))
 
 
 def label(name: str, deviations: Optional[list[str]] = None) -> str:
     """How a row reads in a table; ``deviations`` (the options on that depart from the model's
     paper) are named after it: "SPALM (…) (+memory scale)"."""
-    if deviations:
-        return f"{label(name)} ({', '.join('+' + d for d in deviations)})"
-    if name in BY_NAME and BY_NAME[name].fixed:
-        return BY_NAME[name].label
-    if name.startswith(f"{KNN}["):
-        return f"{BY_NAME[KNN].label}, {name[len(KNN) + 1:-1]} keys"
-    if name.startswith(LEARNED_WDS):
-        head, _, interpolated = name.partition("+")
-        n = head[len(LEARNED_WDS):].strip("[]").replace("n=", "n = ") or None
-        text = BY_NAME[LEARNED_WDS].label + (f" ({n})" if n else "")
-        return f"{BY_NAME[BASE].label} + {text}" if interpolated else f"{text} alone"
-    return name
+    text = row(name).label
+    return f"{text} ({', '.join('+' + d for d in deviations)})" if deviations else text
