@@ -8,11 +8,11 @@ import shlex
 import pytest
 import pytorch_lightning as pl
 import yaml
-from conftest import REPO, data_dir
 
 from gnnlm.lit.cli import GnnlmCLI
 from gnnlm.pipeline.config import load_config, yaml_list
 from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
+from tests.conftest import REPO, data_dir
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 

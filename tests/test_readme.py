@@ -7,7 +7,8 @@ import json
 import re
 
 import pytest
-from conftest import REPO
+
+from tests.conftest import REPO
 
 RUN = REPO / "results" / "wikitext2-cpu"
 MINUS = "\N{MINUS SIGN}"
