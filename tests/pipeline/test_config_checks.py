@@ -3,6 +3,7 @@ line naming the setting and what to do, exit status 2, and no work directory."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -202,3 +203,36 @@ def test_settings_beyond_a_hugging_face_model(flags, message, hf_folder, tmp_pat
     line = refused(tmp_path, capsys, f"--base_lm.ckpt=hf:{hf_folder}", "--corpus.name=x",
                    "--corpus.tokenizer.kind=hf", *flags)
     assert line == message.format(folder=hf_folder)
+
+
+def test_a_rebuild_of_a_stage_that_does_not_exist(tmp_path, capsys):
+    line = refused(tmp_path, capsys, "--rebuild=[featurs]")
+    assert re.fullmatch(r"--rebuild names stages \[.*'features'.*'neighbors'.*\] "
+                        r"\(got \['featurs'\]\)\.", line), line
+
+
+def test_a_base_lm_with_neither_checkpoint_nor_config(tmp_path, capsys):
+    assert refused(tmp_path, capsys, "--base_lm.config=null") == (
+        "base_lm needs `ckpt` (a checkpoint or hf:<name>) or `config` (the `gnnlm fit` YAMLs to "
+        "train one).")
+
+
+@pytest.mark.parametrize("flag,read,searched", [
+    ("--knn.keys=[att]", "key = 'final'", "knn.keys[0] = 'att' under knn.metric = 'cos'"),
+    ("--knn.metric=l2", "metric = 'cos'", "knn.keys[0] = 'final' under knn.metric = 'l2'"),
+])
+def test_a_head_that_reads_neighbours_the_pipeline_does_not_search(flag, read, searched, tmp_path,
+                                                                    capsys):
+    line = refused(tmp_path, capsys, flag)
+    assert line.startswith(f"the gnn config ({' + '.join(GNN)}) reads the neighbours of "), line
+    assert read in line and line.endswith(f"searches train neighbours for {searched}."), line
+
+
+def test_a_corpus_other_than_the_base_lm_config_s(tmp_path, capsys):
+    line = refused(tmp_path, capsys, "--corpus.name=wikitext-103")
+    assert line == (
+        "The pipeline's corpus.name = 'wikitext-103' (the command line) and its base LM config's "
+        "data.init_args.corpus = 'wikitext-2' (configs/wikitext2/base_lm.yaml) name different "
+        "corpora: the base LM would be trained on one and the datastore built from the other. "
+        "Name the corpus once: in the pipeline's corpus section (passed to the base LM's "
+        "training) or in the base LM config's data section.")
