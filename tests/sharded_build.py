@@ -1,5 +1,5 @@
 """Builds features or neighbours of a WikiText-2 slice in a work directory, on any number of
-processes: the multi-process half of tests/test_sharded.py.
+processes: the multi-process half of tests/workdir/test_shards.py.
 
 DDP inside pytest would start the ranks from pytest's own entry point, so the tests run this
 file as its own Python process (with a timeout)::

@@ -1,6 +1,6 @@
 """The sharded builds' shared settings: a tiny seeded GPT, a WikiText-2 slice, and the features
-and neighbours built from them, on any number of processes (tests/test_sharded.py builds with
-one process in pytest, tests/sharded_build.py with several in its own process)."""
+and neighbours built from them, on any number of processes (tests/workdir/test_shards.py builds
+with one process in pytest, tests/sharded_build.py with several in its own process)."""
 from __future__ import annotations
 
 from pathlib import Path

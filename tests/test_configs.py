@@ -8,13 +8,13 @@ import shlex
 import pytest
 import pytorch_lightning as pl
 import yaml
-from conftest import REPO, data_dir
 
 from gnnlm.lit.cli import GnnlmCLI
 from gnnlm.pipeline.config import load_config
 from gnnlm.pipeline.config_files import yaml_list
 from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
 from gnnlm.pipeline.training import check_fit_configs
+from tests.conftest import REPO, data_dir
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 

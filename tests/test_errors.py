@@ -8,8 +8,6 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import CPU, LM, REPO
-from fakes import error_of, save_lm_checkpoint, write_corpus, write_features
 
 from gnnlm.cli import main
 from gnnlm.retrieval.index import IndexConfig, build_index
@@ -17,6 +15,8 @@ from gnnlm.retrieval.knn_cache import build_knn_cache
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
 from gnnlm.workdir.artifacts import ArtifactBuilder, read_manifest
 from gnnlm.workdir.layout import Workdir
+from tests.conftest import CPU, LM, REPO
+from tests.fakes import error_of, save_lm_checkpoint, write_corpus, write_features
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 

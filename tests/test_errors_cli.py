@@ -7,11 +7,11 @@ import os
 
 import pytest
 import torch
-from conftest import CPU, LM, REPO
-from fakes import error_of
 
 from gnnlm.cli import USAGE, main
 from gnnlm.pipeline.rows import HEAD_FIELDS
+from tests.conftest import CPU, LM, REPO
+from tests.fakes import error_of
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 

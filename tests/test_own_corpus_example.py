@@ -10,9 +10,9 @@ import math
 import shlex
 
 import pytest
-from conftest import REPO, run_gnnlm
 
 from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
+from tests.conftest import REPO, run_gnnlm
 
 EXAMPLE = "configs/examples/own_corpus/pipeline.yaml"
 

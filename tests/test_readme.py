@@ -18,7 +18,8 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO
+
+from tests.conftest import REPO
 
 RUN = REPO / "results" / "wikitext2-cpu"
 MINUS = "\N{MINUS SIGN}"

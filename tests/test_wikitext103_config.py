@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import REPO
 
 from gnnlm.pipeline.config import load_config
 from gnnlm.pipeline.stages import stage_base_lm, stage_features, stage_retrieval
 from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
 
