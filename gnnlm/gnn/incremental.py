@@ -11,7 +11,7 @@ table as evaluation's (each retrieved window computed once). A block ends after 
 tokens, as evaluation's blocks do, and the next starts empty.
 
 The output equals ``WindowStates.forward`` on the block so far, at its last rows, to float
-rounding (``tests/test_inference.py``).
+rounding (``tests/inference/test_inference.py``).
 """
 from __future__ import annotations
 

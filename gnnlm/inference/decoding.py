@@ -20,7 +20,7 @@ protocol (``gnnlm.models.decode``):
 current windows or segments, GNN-LM's context nodes of the current block. ``incremental=False``
 recomputes everything each time from the stream (the base LM's windows, GNN-LM's block through
 ``WindowStates.forward``, SPALM's segments), which is what ``next_token_logprobs`` does; the two
-agree to float rounding at every step (``tests/test_inference.py``).
+agree to float rounding at every step (``tests/inference/test_inference.py``).
 """
 from __future__ import annotations
 

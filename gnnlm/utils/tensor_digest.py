@@ -4,7 +4,7 @@ from weights (``gnnlm.gnn.window_states``, ``gnnlm.gnn.dense.fold``).
 A parameter's ``_version`` counter misses writes that go around autograd: through ``p.data``
 (``p.data.copy_(...)``, ``p.data.mul_(...)``: ``.data`` is a new tensor with a counter of its
 own) and fused optimiser kernels (``AdamW(fused=True)`` on the CPU with torch 2.13;
-``tests/test_window_states.py`` has one of each). A cache keyed on it can then serve values
+``tests/gnn/test_window_states.py`` has one of each). A cache keyed on it can then serve values
 of weights that no longer exist. The digest reads the bits themselves: on the CPU, the sha256 of
 each tensor's bytes (read in place, 1.4 GB/s on one core here); elsewhere (a GPU), a weighted
 sum of its elements' bit patterns computed where they are, so that nothing is copied back but
