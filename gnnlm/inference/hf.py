@@ -11,8 +11,8 @@ feature, whose last position is the query. It is searched as the pipeline search
 (``gnnlm.retrieval.lookup``), and the scores are replaced by kNN-LM's log p (Khandelwal et al.
 2020): log((1 − λ)·softmax(scores) + λ·p_kNN), with the row's fitted k, T and λ. Greedy
 ``generate`` with it picks the tokens ``TrainedLM.generate(..., row="knn", greedy=True)`` picks
-while the text fits in the base LM's window (``tests/models/test_hf_families.py``); longer, Hugging Face
-reads all of it, where gnnlm slides its windows.
+while the text fits in the base LM's window (``tests/models/test_hf_families.py``); longer,
+Hugging Face reads all of it, where gnnlm slides its windows.
 """
 from __future__ import annotations
 

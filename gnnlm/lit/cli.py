@@ -5,6 +5,7 @@ command runs (or the pipeline trains a part), so that ``gnnlm --help`` loads no 
 from __future__ import annotations
 
 from argparse import ArgumentError
+from pathlib import Path
 
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI
@@ -41,6 +42,20 @@ class GnnlmCLI(LightningCLI):
         # Transformer-XL segments when the model carries memory (skipped where either lacks it)
         parser.link_arguments("model.init_args.memory_length", "data.init_args.memory_length",
                               apply_on="parse")
+
+    def before_instantiate_classes(self) -> None:
+        """A fit run alone writes its checkpoints and logs under its work directory,
+        ``<data.init_args.workdir>/logs/<model class>``, unless ``trainer.default_root_dir``
+        says where (``gnnlm pipeline`` gives ``<workdir>/logs/<part>``): the YAMLs need not
+        restate the work directory."""
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config is None or config.get("trainer.default_root_dir") is not None:
+            return
+        workdir = config.get("data.init_args.workdir")
+        model = config.get("model.class_path")
+        if workdir and model:
+            config["trainer.default_root_dir"] = str(
+                Path(workdir) / "logs" / model.rsplit(".", 1)[-1])
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         """The config's trainer, with the callback that hands the model the work directory's

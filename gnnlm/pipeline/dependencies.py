@@ -14,7 +14,8 @@ features; the kNN caches, the neighbours and the features; the PQ codes, the tra
 every head, what ``head_inputs`` names (features, train neighbours) and the token streams its data
 module may open, and GNN-LM the PQ codes when its nodes read them; the ablations, the retrieval
 artifacts and the memory LM. A test checks it against what each head of the test pipeline
-must record reading (``tests/pipeline/test_identity.py``, checked there on that pipeline's manifests).
+must record reading (``tests/pipeline/test_identity.py``, checked there on that pipeline's
+manifests).
 """
 from __future__ import annotations
 
