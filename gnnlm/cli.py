@@ -41,7 +41,8 @@ commands:
              --temperature T --top_k K --top_p P] [--seed S] [--show-retrieval]: a
              continuation with retrieval; writes nothing
   fit        train a model (LightningCLI): a base LM, or a head on a pipeline's work directory;
-             writes checkpoints and logs under trainer.default_root_dir
+             writes checkpoints and logs under trainer.default_root_dir (unset: under
+             <data workdir>/logs/<model class>)
   validate, test, predict
              LightningCLI's: evaluate a checkpoint (--ckpt_path)
 
