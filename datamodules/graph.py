@@ -107,6 +107,7 @@ class GraphBlocks(Dataset):
 
 class GraphDataModule(WorkdirDataModule):
     reads = frozenset({"neighbors", "pq"})  # retrieval artifacts read (pq: node_features)
+
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  node_features: Literal["pq", "raw"] = "pq",
                  block_size: int = 64, graph: GraphConfig = GraphConfig(),

@@ -44,6 +44,7 @@ class WithNeighborValues(Dataset):
 
 class RetrievalWindowsDataModule(WorkdirDataModule):
     reads = frozenset({"neighbors"})  # of the pipeline's retrieval artifacts
+
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  retrieved: int = 4, block_size: int = 128, batch_size: int = 16,
                  eval_batch_size: int = 32, train_tokens: Optional[int] = None,

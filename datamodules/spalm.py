@@ -62,6 +62,7 @@ class SegmentsWithValues(StreamSegments):
 
 class SpalmDataModule(WorkdirDataModule):
     reads = frozenset({"neighbors"})  # of the pipeline's retrieval artifacts
+
     def __init__(self, workdir: str = "runs/wikitext2", key: str = "final", metric: str = "cos",
                  retrieved: int = 16, block_size: int = 512, batch_size: int = 16,
                  eval_streams: int = 16, train_tokens: Optional[int] = None,
