@@ -43,12 +43,18 @@ class GnnlmCLI(LightningCLI):
         parser.link_arguments("model.init_args.memory_length", "data.init_args.memory_length",
                               apply_on="parse")
 
+    def _command_config(self):
+        """The parsed config of the command that runs (``fit``, ...), or the whole config when
+        the CLI runs no command."""
+        subcommand = self.config.get("subcommand")
+        return self.config.get(subcommand) if subcommand else self.config
+
     def before_instantiate_classes(self) -> None:
         """A fit run alone writes its checkpoints and logs under its work directory,
         ``<data.init_args.workdir>/logs/<model class>``, unless ``trainer.default_root_dir``
         says where (``gnnlm pipeline`` gives ``<workdir>/logs/<part>``): the YAMLs need not
         restate the work directory."""
-        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        config = self._command_config()
         if config is None or config.get("trainer.default_root_dir") is not None:
             return
         workdir = config.get("data.init_args.workdir")
@@ -73,8 +79,7 @@ class GnnlmCLI(LightningCLI):
         builds, before LightningCLI puts the checkpoint's model into the config (which would
         fail only inside the run, on an attribute the config's data module lacks)."""
         super().parse_arguments(parser, args)
-        subcommand = self.config.get("subcommand")
-        config = self.config.get(subcommand) if subcommand else self.config
+        config = self._command_config()
         ckpt_path = config.get("ckpt_path") if config is not None else None
         if ckpt_path and ckpt_path not in ("best", "last", "hpc", "registry"):
             import torch

@@ -301,7 +301,8 @@ def memory_rows(workdir: Workdir, name: str) -> list[dict]:
     model.check_vocabulary(data.vocab_fingerprint, f"the tokens in {workdir.tokens}")
     rows = []
     for length in (model.memory_length, 0):
-        model = load_language_model(ckpt, {"memory_length": length})  # the same weights
+        if length != model.memory_length:  # the same weights, read with another memory
+            model = load_language_model(ckpt, {"memory_length": length})
         trainer = pl.Trainer(accelerator="auto", devices=1, logger=False,
                              enable_progress_bar=False, enable_model_summary=False)
         (metrics,) = trainer.test(model, datamodule=data, verbose=False)

@@ -12,7 +12,7 @@ def parsed(default_root_dir=None, workdir="runs/my-corpus") -> GnnlmCLI:
     """A CLI as LightningCLI leaves it between parsing and building (nothing instantiated)."""
     cli = GnnlmCLI.__new__(GnnlmCLI)
     cli.subcommand = "fit"
-    cli.config = Namespace(fit=Namespace(
+    cli.config = Namespace(subcommand="fit", fit=Namespace(
         trainer=Namespace(default_root_dir=default_root_dir),
         model=Namespace(class_path="gnnlm.lit.gnn.GNNLM", init_args=Namespace()),
         data=Namespace(class_path="datamodules.graph.GraphDataModule",
