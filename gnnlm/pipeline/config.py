@@ -320,6 +320,8 @@ class PipelineConfig:
         transformer_xl: the SPALM comparison's Transformer-XL row: short-term memory only
         spalm_xl: SPALM trained end to end: a Transformer-XL LM gated with retrieved tokens
         spalm_xl_variant: spalm_xl with options the paper does not have, in a row of its own
+        transformer_xl_scratch: the from-scratch pair's Transformer-XL: random initial weights
+        spalm_xl_scratch: the from-scratch pair's SPALM, trained like transformer_xl_scratch
         learned_wds: learned W_ds heads (Xu et al.): one list of `gnnlm fit` YAMLs per row
         ablations: the Xu et al. ablation table (off unless `enabled`)
         rebuild: stages to build again, with every stage reading them, e.g. [pq] (true: all)
@@ -344,6 +346,10 @@ class PipelineConfig:
     # the same SPALM with options the paper does not have (a gate bias, a memory scale): its
     # own row, labelled with them, beside the paper's form
     spalm_xl_variant: HeadConfig = field(default_factory=HeadConfig)
+    # the same comparison trained from random initial weights (the paper's setting: the
+    # pretrained LM only encodes the keys)
+    transformer_xl_scratch: HeadConfig = field(default_factory=HeadConfig)
+    spalm_xl_scratch: HeadConfig = field(default_factory=HeadConfig)
     learned_wds: LearnedWdsConfig = field(default_factory=LearnedWdsConfig)
     ablations: AblationConfig = field(default_factory=AblationConfig)
     rebuild: Union[bool, list[str]] = False

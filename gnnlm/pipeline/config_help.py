@@ -94,7 +94,9 @@ def short_help(parser: Any, prog: str, description: Optional[str], config: type)
              *(_wrapped(p) + "\n" for p in paragraphs if p.strip()),
              "The sections of a pipeline config (keys of the YAML; on the command line "
              "--SECTION.FIELD=VALUE):"]
-    lines += [_wrapped(text, " " * 20, f"  {name:<18}") for name, text in named.items()]
+    # a name too long for the column takes two spaces more (its description stays on its line)
+    lines += [_wrapped(text, " " * 20, f"  {name:<18}" if len(name) < 18 else f"  {name}  ")
+              for name, text in named.items()]
     lines += ["", "options:",
               "  -c, --config CONFIG   a pipeline YAML; several -c merge in order (overlays); "
               "paths are",

@@ -4,14 +4,16 @@ Every perplexity is exp(−Σ log p / N) over the same N test tokens (the split'
 scored once), computed here from per-token log-probabilities, never averaged from batches. Each
 row records how its tokens were scored (``gnnlm.models.protocols``): rows read with different
 windows or segments go in separate tables, each headed by its protocol and the left context it
-gives. Above them, the data's checks (``gnnlm.pipeline.data_checks``: unknown tokens, near-copies of
-valid/test in the datastore) and, when something makes the numbers untrustworthy, one Warnings
-block. Under them, the trained parts whose training was resumed or cut short by ``max_time``.
-Below those, the papers' analyses: kNN recall buckets (Meng et al. 2022), GNN-LM's
-evaluation k, and for every SPALM row the mean gate per token, its k curve and frequency
-buckets (Yogatama et al. 2021; ``gnnlm.spalm.analysis``). With the retrieval facts, how much
-retrieval discriminates per key (``gnnlm.retrieval.sanity``): a datastore whose neighbours all
-score alike is warned of, since its kNN-LM "gain" is smoothing, not retrieval.
+gives (a segments table also gives the step each trained row kept, of the steps it trained; the
+manifests' valid curves are in results.json's ``training``). Above them, the data's checks
+(``gnnlm.pipeline.data_checks``: unknown tokens, near-copies of valid/test in the datastore)
+and, when something makes the numbers untrustworthy, one Warnings block. Under them, the trained
+parts whose training was resumed or cut short by ``max_time``. Below those, the papers'
+analyses: kNN recall buckets (Meng et al. 2022), GNN-LM's evaluation k, and for every SPALM row
+the mean gate per token, its k curve and frequency buckets (Yogatama et al. 2021;
+``gnnlm.spalm.analysis``). With the retrieval facts, how much retrieval discriminates per key
+(``gnnlm.retrieval.sanity``): a datastore whose neighbours all score alike is warned of, since
+its kNN-LM "gain" is smoothing, not retrieval.
 
 Plots (``PLOTS``): per key, valid perplexity over λ × T at the fitted k (``gnnlm sweep``'s
 heatmap); the recall buckets; each SPALM row's gate histogram; the ablations' curves.
@@ -222,11 +224,13 @@ def _table_markdown(results: dict, protocol: Protocol, names: list[str]) -> list
     headers = _ppl_headers(results)
     if protocol["kind"] == "segments":
         lines = [f"Scored as {protocols.describe(protocol, with_memory=False)}:", "",
-                 "| model | memory M | mean left context | " + " | ".join(headers) + " |",
-                 "|---|---:|---:|" + "---:|" * len(headers)]
+                 "| model | memory M | mean left context | kept step / steps | "
+                 + " | ".join(headers) + " |",
+                 "|---|---:|---:|---:|" + "---:|" * len(headers)]
         for name in names:
             lines.append(f"| {_label(results, name)} | {results['protocols'][name]['memory']} | "
-                         f"{left[name]:.1f} | " + " | ".join(_ppl_cells(results, name)) + " |")
+                         f"{left[name]:.1f} | {_kept_step(results, name)} | "
+                         + " | ".join(_ppl_cells(results, name)) + " |")
         return lines
     lines = [f"Scored with {protocols.describe(protocol, mean_left_context=left.get(names[0]))}:",
              "",
@@ -235,6 +239,15 @@ def _table_markdown(results: dict, protocol: Protocol, names: list[str]) -> list
         lines.append(f"| {_label(results, name)} | " + " | ".join(_ppl_cells(results, name))
                      + " |")
     return lines
+
+
+def _kept_step(results: dict, name: str) -> str:
+    """The step whose weights scored a trained row, of the steps it trained (its head's, for
+    an interpolation); 0 is the starting weights."""
+    training = results.get("training", {}).get(rows.row(name).head or "")
+    if not training or "kept_step" not in training:
+        return ""
+    return f"{training['kept_step']} / {training['steps']}"
 
 
 def data_line(results: dict) -> str:
@@ -487,6 +500,9 @@ def _tables(results: Results) -> dict:
                               for name, p in row_protocol.items() if p["kind"] != "unrecorded"},
         "deviations": {name: heads[name]["deviations"] for name in names
                        if name in heads and heads[name].get("deviations")},
+        # how each head's training went: its steps, the step it kept, its valid curve
+        "training": {name: heads[name]["training"] for name in names
+                     if name in heads and heads[name].get("training")},
         "level": results.level,
         "ppl": ppl, "valid_ppl": valid_ppl, **words,
         "hparams": results.hparams, "base_lm": results.base_lm,

@@ -10,7 +10,9 @@ A row is one model's per-token scores of the same test tokens. Three kinds:
   ``learned_wds`` then ``learned_wds[n=…]``);
 - interpolations fitted on valid: kNN-LM (Khandelwal et al. 2020) over the primary key
   (``knn``) and over other keys (``knn[<key>]``), GNN-LM with kNN-LM (``gnn+knn``), a learned
-  W_ds with the base LM (``<head>+base``).
+  W_ds with the base LM (``<head>+base``), kNN-LM with each Transformer-XL row of the SPALM
+  comparison (``<head>+knn``, and ``<head>+knn[k=4]`` at SPALM's k): what retrieval can add
+  to that LM at all, the ceiling SPALM is measured against.
 
 The results.json keys are these names; tables list them in ``ROWS`` order (each ``knn[<key>]``
 after ``knn``, rows of no fixed place such as ``learned_wds…`` sorted at the end). A name is all
@@ -77,6 +79,10 @@ ROWS: tuple[Row, ...] = (
     # its options are named after it, from the head's manifest (``label``'s ``deviations``)
     trained_row("spalm_xl_variant", "SPALM (short + long-term memory)",
                 spalm_baseline="transformer_xl"),
+    # the same pair trained from random initial weights
+    trained_row("transformer_xl_scratch", "Transformer-XL (from scratch)"),
+    trained_row("spalm_xl_scratch", "SPALM (short + long-term memory, from scratch)",
+                spalm_baseline="transformer_xl_scratch"),
     # one row per config: ``learned_wds``, ``learned_wds[n=…]`` (``learned_wds_row``)
     trained_row(LEARNED_WDS, "learned W_ds alone", fixed=False),
 )
@@ -90,9 +96,15 @@ HEAD_CONFIGS: tuple[str, ...] = tuple(name for name in HEAD_FIELDS if name != LE
 SPALM_BASELINES: dict[str, str] = {row.name: row.spalm_baseline for row in ROWS
                                    if row.spalm_baseline is not None}
 
+# the Transformer-XL rows whose kNN-LM interpolations bound what SPALM's retrieval can add
+KNN_CEILING_HEADS: tuple[str, ...] = ("transformer_xl", "transformer_xl_scratch")
+# SPALM's k and its kNN-LM baseline's (Yogatama et al. 2021, §4 and Table 5)
+SPALM_K = 4
+
 _KNN_KEY = re.compile(rf"{KNN}\[(?P<key>[^\]]+)\]")
 _LEARNED_WDS_N = re.compile(rf"{LEARNED_WDS}\[n=(?P<n>\d+)\]")
 _WITH_BASE = f"+{BASE}"
+_WITH_KNN = re.compile(rf"(?P<head>[a-z_]+)\+{KNN}(\[k=(?P<k>\d+)\])?")
 
 
 def knn_row(key: str, primary: str) -> str:
@@ -103,6 +115,12 @@ def knn_row(key: str, primary: str) -> str:
 def with_base(head: str) -> str:
     """The row of ``head`` interpolated with the base LM (Xu et al. 2023 §4.1)."""
     return f"{head}{_WITH_BASE}"
+
+
+def with_knn(head: str, k: Optional[int] = None) -> str:
+    """The row of ``head`` interpolated with kNN-LM: (k, T, λ) fitted on valid, or with k
+    fixed (``<head>+knn[k=4]``)."""
+    return f"{head}+{KNN}" if k is None else f"{head}+{KNN}[k={k}]"
 
 
 def learned_wds_row(position: int, embeddings_per_word: int) -> str:
@@ -122,6 +140,11 @@ def row(name: str) -> Row:
         if head.trained:
             return Row(name, f"{BY_NAME[BASE].label} + {head.label.removesuffix(' alone')}",
                        interpolation=True, head=head.head, folder=head.folder, fixed=False)
+    if (match := _WITH_KNN.fullmatch(name)) and row(match["head"]).trained:
+        head = row(match["head"])
+        fixed_k = f" (k = {match['k']})" if match["k"] else ""
+        return Row(name, f"{head.label} + kNN-LM{fixed_k}", interpolation=True, head=head.head,
+                   folder=head.folder, fixed=False)
     if match := _KNN_KEY.fullmatch(name):
         return Row(name, f"{BY_NAME[KNN].label}, {match['key']} keys", interpolation=True,
                    fixed=False)
@@ -148,7 +171,7 @@ def is_spalm(name: str) -> bool:
 
 def order(names: Iterable[str]) -> list[str]:
     """``names`` in table order: the registry's fixed rows, each ``knn[<key>]`` (sorted) after
-    ``knn``, then every other row sorted."""
+    ``knn`` and each ``<head>+knn…`` after its head, then every other row sorted."""
     names = list(names)
     placed: list[str] = []
     for fixed in ROWS:
@@ -157,6 +180,8 @@ def order(names: Iterable[str]) -> list[str]:
         placed.append(fixed.name)
         if fixed.name == KNN:
             placed += sorted(n for n in names if _KNN_KEY.fullmatch(n))
+        placed += sorted(n for n in names if n not in BY_NAME and
+                         (m := _WITH_KNN.fullmatch(n)) is not None and m["head"] == fixed.name)
     return ([n for n in placed if n in names] + sorted(n for n in names if n not in placed))
 
 

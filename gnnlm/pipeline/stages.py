@@ -373,13 +373,20 @@ def score_knn_rows(cfg: PipelineConfig, workdir: Workdir, results: Results) -> N
 
 def score_head_interpolations(cfg: PipelineConfig, workdir: Workdir, results: Results) -> None:
     """GNN+kNN: the GNN's distribution interpolated with kNN-LM's (Meng et al. 2022 eq. 5); each
-    learned W_ds interpolated with the base LM (Xu et al. 2023 §4.1)."""
+    Transformer-XL row of the SPALM comparison with kNN-LM, (k, T, λ) fitted and with SPALM's k
+    (the ceiling of what its retrieval adds); each learned W_ds interpolated with the base LM
+    (Xu et al. 2023 §4.1)."""
     scores, grid = results.scores, cfg.knn.grid()
-    if rows.GNN in results.heads:
-        primary = cfg.knn.primary
-        caches = knn_caches(cfg, workdir, primary, scores[rows.GNN])
-        result = fit_and_score(caches["valid"], caches["test"], *grid)
-        results.add_interpolation(rows.GNN_KNN, result.pop("test_logprob"),
+    with_knn = [(rows.GNN_KNN, rows.GNN, grid)] if rows.GNN in results.heads else []
+    for head in rows.KNN_CEILING_HEADS:
+        if head in results.heads:
+            with_knn += [(rows.with_knn(head), head, grid),
+                         (rows.with_knn(head, rows.SPALM_K), head, ([rows.SPALM_K], *grid[1:]))]
+    primary = cfg.knn.primary
+    for name, head, head_grid in with_knn:
+        caches = knn_caches(cfg, workdir, primary, scores[head])
+        result = fit_and_score(caches["valid"], caches["test"], *head_grid)
+        results.add_interpolation(name, result.pop("test_logprob"),
                                   {**result, "similarity": cfg.knn.metric, "key": primary,
                                    **search_label(workdir, results.retrieval[primary])},
                                   valid_tokens=len(caches["valid"]["lm_logprob"]))

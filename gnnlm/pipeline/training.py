@@ -137,11 +137,23 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
         if cli.trainer.interrupted:  # e.g. a signal Lightning handled: the build is not done
             raise KeyboardInterrupt(f"training {name} was interrupted")
         training = how_training_ended(cli.trainer, builder.progress.get("training") or {})
-        restore_best_weights(cli)
+        best_step = restore_best_weights(cli)
         metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
-        kept = keep_initial_weights(cli, start, run.last_validation, builder)
+        if best_step is not None:  # the kept weights' score, not the last validation's
+            callback = cli.trainer.checkpoint_callback
+            metrics[callback.monitor] = float(callback.best_model_score)
+        kept = keep_initial_weights(cli, start, run.validations, builder)
         if kept is not None:
             metrics.update(kept)
+        # which weights are scored: the best validation's, the starting ones, or the last step's
+        training["kept_step"] = 0 if kept is not None else (
+            best_step if best_step is not None else training["steps"])
+        curve = ([(0, float(start["score"]))] if start is not None else []) + \
+            run.validations.curve
+        if curve:
+            training["valid_curve"] = {"metric": run.validations.metric,
+                                       "steps": [step for step, _ in curve],
+                                       "scores": [score for _, score in curve]}
         cli.trainer.save_checkpoint(builder.file("model.ckpt"))
         extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
                  "metrics": metrics, "model_class": type(cli.model).__name__,
@@ -225,8 +237,8 @@ class TrainingRun:
         self.resume_dir = Path(os.path.realpath(logs / "resume" / builder.fingerprint))
         self.resume_from: Optional[str] = None
         monitored = trainer.checkpoint_callback
-        self.last_validation = last_validation(_validation_metric(trainer)[0])
-        trainer.callbacks.append(self.last_validation)
+        self.validations = validation_curve(_validation_metric(trainer)[0])
+        trainer.callbacks.append(self.validations)
         last = self.resume_dir / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
         # a stop signal ends the fit between two steps, saving ``last`` first
         trainer.callbacks.append(stop_between_steps(last if monitored is not None else None))
@@ -310,7 +322,9 @@ def how_training_ended(trainer, training: dict) -> dict:
     """What the manifest records of how a fit went: the optimiser steps it took, the steps it
     was resumed from (``TrainingRun.start``), and ``stopped_by``: "max_time" when the time limit
     ended it before ``max_steps`` (its weights are then those of a shorter training than the
-    config names), else "max_steps", "max_epochs" or "early stopping"."""
+    config names), else "max_steps", "max_epochs" or "early stopping". ``fit_with_cli`` adds
+    ``kept_step``, the step whose weights are kept (0: the starting ones), and ``valid_curve``,
+    the monitored metric at every validation (step 0: before training)."""
     from pytorch_lightning.callbacks import Timer
 
     steps, max_steps = int(trainer.global_step), trainer.max_steps
@@ -369,22 +383,39 @@ def _reset_metrics(model) -> None:
             module.reset()
 
 
-def last_validation(metric: str):
-    """A callback that remembers the step (``step``) and the ``metric`` (``score``) of the fit's
-    last validation."""
+def validation_curve(metric: str):
+    """A callback that records ``metric`` at every validation of the fit: ``curve``, a list of
+    (step, score), and ``step`` / ``score`` of the last one (-1 / nan before any). The curve is
+    part of the checkpoint a killed fit resumes from, so a resumed fit records it whole."""
     from pytorch_lightning.callbacks import Callback
     from pytorch_lightning.trainer.states import TrainerFn
 
-    class LastValidation(Callback):
-        step, score = -1, float("nan")
+    class ValidationCurve(Callback):
+        def __init__(self) -> None:
+            self.metric = metric
+            self.curve: list[tuple[int, float]] = []
+
+        @property
+        def step(self) -> int:
+            return self.curve[-1][0] if self.curve else -1
+
+        @property
+        def score(self) -> float:
+            return self.curve[-1][1] if self.curve else float("nan")
 
         def on_validation_end(self, trainer, pl_module) -> None:
             value = trainer.callback_metrics.get(metric)
             if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING and \
                     value is not None:
-                self.step, self.score = trainer.global_step, float(value)
+                self.curve.append((int(trainer.global_step), float(value)))
 
-    return LastValidation()
+        def state_dict(self) -> dict:
+            return {"curve": [list(point) for point in self.curve]}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            self.curve = [(int(step), float(score)) for step, score in state_dict["curve"]]
+
+    return ValidationCurve()
 
 
 def keep_initial_weights(cli, start: Optional[dict], last,
@@ -418,12 +449,16 @@ def keep_initial_weights(cli, start: Optional[dict], last,
     return {metric: initial}
 
 
-def restore_best_weights(cli) -> None:
-    """Load the monitored checkpoint callback's best weights into ``cli.model``, if any."""
+def restore_best_weights(cli) -> Optional[int]:
+    """Load the monitored checkpoint callback's best weights into ``cli.model``, if any, and
+    return the step they were saved at (None: the last step's weights stay)."""
     callback = cli.trainer.checkpoint_callback
     best = getattr(callback, "best_model_path", "") if callback is not None else ""
     if callback is not None and callback.monitor and best:
-        cli.model.load_state_dict(load_checkpoint(best)["state_dict"])
+        checkpoint = load_checkpoint(best)
+        cli.model.load_state_dict(checkpoint["state_dict"])
+        return int(checkpoint["global_step"])
+    return None
 
 
 class _Parsed(Exception):

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.usefixtures("in_repo")
 
 # the heads of the test pipeline (configs/tests/pipeline.yaml), by row
 HEADS = {"gnn", "spalm", "spalm_ft", "transformer", "transformer_xl", "spalm_xl",
-         "spalm_xl_variant", "learned_wds", "learned_wds[n=3]"}
+         "spalm_xl_variant", "transformer_xl_scratch", "spalm_xl_scratch", "learned_wds",
+         "learned_wds[n=3]"}
 
 
 def pipeline(*rebuild: str, extra: tuple[str, ...] = ()):

@@ -69,7 +69,10 @@ def test_a_row_carries_the_head_that_scored_it_and_that_head_s_model_folder():
         rows.learned_wds_row(0, 1): ("learned_wds", "learned_wds", False),
         rows.learned_wds_row(1, 3): ("learned_wds[n=3]", "learned_wds_n3", False),
         rows.with_base(rows.learned_wds_row(1, 3)): ("learned_wds[n=3]", "learned_wds_n3", True),
-        "spalm_xl_variant": ("spalm_xl_variant", "spalm_xl_variant", False)}
+        "spalm_xl_variant": ("spalm_xl_variant", "spalm_xl_variant", False),
+        rows.with_knn("transformer_xl"): ("transformer_xl", "transformer_xl", True),
+        rows.with_knn("transformer_xl_scratch", 4): ("transformer_xl_scratch",
+                                                     "transformer_xl_scratch", True)}
     for name, (head, folder, interpolation) in made.items():
         row = rows.row(name)
         assert (row.name, row.head, row.folder, row.interpolation) == \
@@ -85,21 +88,30 @@ def test_the_registry_orders_rows_and_names_the_config_s_head_fields():
     from gnnlm.pipeline.config import PipelineConfig
 
     names = ["learned_wds+base", "spalm_xl", "knn[ffn]", "gnn+knn", "learned_wds[n=3]", "knn",
-             "base", "knn[att]", "transformer_xl", "learned_wds", "gnn", "spalm_ft", "spalm"]
+             "base", "knn[att]", "transformer_xl", "learned_wds", "gnn", "spalm_ft", "spalm",
+             "transformer_xl+knn[k=4]", "spalm_xl_scratch", "transformer_xl+knn",
+             "transformer_xl_scratch"]
+    # each Transformer-XL's ceiling rows right under it
     assert rows.order(names) == [
         "base", "knn", "knn[att]", "knn[ffn]", "gnn", "gnn+knn", "spalm", "spalm_ft",
-        "transformer_xl", "spalm_xl", "learned_wds", "learned_wds+base", "learned_wds[n=3]"]
+        "transformer_xl", "transformer_xl+knn", "transformer_xl+knn[k=4]", "spalm_xl",
+        "transformer_xl_scratch", "spalm_xl_scratch", "learned_wds", "learned_wds+base",
+        "learned_wds[n=3]"]
+    assert rows.label("transformer_xl_scratch+knn[k=4]") == \
+        "Transformer-XL (from scratch) + kNN-LM (k = 4)"
     # every trained head is configured by the pipeline config's field of its name
     assert set(rows.HEAD_FIELDS) <= {f.name for f in fields(PipelineConfig)}
     assert set(PipelineConfig().heads()) <= set(rows.HEAD_FIELDS)
     assert [n for n in names if rows.row(n).interpolation] == [
-        "learned_wds+base", "knn[ffn]", "gnn+knn", "knn", "knn[att]"]
+        "learned_wds+base", "knn[ffn]", "gnn+knn", "knn", "knn[att]",
+        "transformer_xl+knn[k=4]", "transformer_xl+knn"]
     assert rows.knn_row("final", "final") == "knn" and rows.knn_row("att", "final") == "knn[att]"
     assert rows.learned_wds_row(1, 3) == "learned_wds[n=3]"
     assert rows.model_folder("learned_wds[n=3]") == "learned_wds_n3"
     assert rows.SPALM_BASELINES == {"spalm": "base", "spalm_ft": "base",
                                     "spalm_xl": "transformer_xl",
-                                    "spalm_xl_variant": "transformer_xl"}
+                                    "spalm_xl_variant": "transformer_xl",
+                                    "spalm_xl_scratch": "transformer_xl_scratch"}
 
 
 def test_the_report_names_the_base_lm_and_lists_k_in_numeric_order():
@@ -138,7 +150,8 @@ def _segment_and_window_results() -> dict:
                           "spalm_xl": {**xl, "memory": 128}},
             "mean_left_context": {"base": 95.5, "knn": 95.5, "transformer": 63.5,
                                   "transformer_xl": 190.4, "spalm_xl": 190.4},
-            "deviations": {"spalm_xl": ["gate bias", "memory scale"]}}
+            "deviations": {"spalm_xl": ["gate bias", "memory scale"]},
+            "training": {"spalm_xl": {"steps": 400, "kept_step": 300}}}
 
 
 def test_rows_scored_differently_are_in_separate_tables_each_headed_by_its_protocol():
@@ -155,11 +168,13 @@ def test_rows_scored_differently_are_in_separate_tables_each_headed_by_its_proto
     assert "transformer" not in window.lower()
     assert segments.startswith(" segments: the split cut into 16 streams, each read 128 tokens "
                                "at a time from a cold start; every token scored once:")
-    assert "| transformer (no memory) | 0 | 63.5 |  | 366.80 |" in segments
-    assert "| Transformer-XL (short-term memory) | 128 | 190.4 |  | 364.20 |" in segments
-    # a deviation from the paper's equations is named in the row's label
+    assert "| model | memory M | mean left context | kept step / steps | valid ppl |" in segments
+    assert "| transformer (no memory) | 0 | 63.5 |  |  | 366.80 |" in segments
+    assert "| Transformer-XL (short-term memory) | 128 | 190.4 |  |  | 364.20 |" in segments
+    # a deviation from the paper's equations is named in the row's label; the step whose
+    # weights were kept, of those trained, where the head recorded it
     assert ("| SPALM (short + long-term memory) (+gate bias, +memory scale) | 128 | 190.4 | "
-            " | 358.80 |") in segments
+            "300 / 400 |  | 358.80 |") in segments
 
 
 def test_row_protocols_of_heads_interpolations_and_old_manifests():

@@ -15,14 +15,15 @@ def test_pipeline_keeps_the_best_monitored_weights(tmp_path, monitor):
     from gnnlm.pipeline.training import restore_best_weights
 
     best, last = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
-    torch.save({"state_dict": best.state_dict()}, tmp_path / "best.ckpt")
+    torch.save({"state_dict": best.state_dict(), "global_step": 7}, tmp_path / "best.ckpt")
     callback = ModelCheckpoint(dirpath=tmp_path, monitor=monitor)
     callback.best_model_path = str(tmp_path / "best.ckpt")
     before = last.weight.detach().clone()
-    restore_best_weights(SimpleNamespace(trainer=SimpleNamespace(checkpoint_callback=callback),
-                                         model=last))
+    step = restore_best_weights(
+        SimpleNamespace(trainer=SimpleNamespace(checkpoint_callback=callback), model=last))
     expected = best.weight if monitor else before
     assert torch.equal(last.weight.detach(), expected.detach())
+    assert step == (7 if monitor else None)  # the step the kept weights were saved at
 
 
 class _Windows(torch.utils.data.Dataset):

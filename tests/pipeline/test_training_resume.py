@@ -168,16 +168,37 @@ def test_a_killed_fit_resumes_from_its_last_checkpoint(monkeypatch, tmp_path, un
     assert manifest["metrics"]["val/ppl"] == pytest.approx(ref["metrics"]["val/ppl"], rel=0.2)
     assert not resume.exists()                   # a complete build keeps no resume checkpoint
     # and the manifest says so, where the uninterrupted one says it was not
-    assert manifest["training"] == {"steps": STEPS, "max_steps": STEPS,
-                                    "stopped_by": "max_steps", "resumed_from_steps": [9]}
+    training = dict(manifest["training"])
+    curve, kept = training.pop("valid_curve"), training.pop("kept_step")
+    assert training == {"steps": STEPS, "max_steps": STEPS, "stopped_by": "max_steps",
+                        "resumed_from_steps": [9]}
     assert ref["training"]["resumed_from_steps"] == []
+    # the valid curve went on from the checkpoint too: before training, then every 8 steps,
+    # the first validation (step 8, before the kill) the uninterrupted run's own
+    assert curve["steps"] == ref["training"]["valid_curve"]["steps"] == [0, 8, 16, 24]
+    assert curve["scores"][:2] == ref["training"]["valid_curve"]["scores"][:2]
+    assert kept == curve["steps"][int(torch.tensor(curve["scores"]).argmin())]
+
+
+def test_the_manifest_records_the_valid_curve_and_the_kept_step(uninterrupted):
+    """The kept weights are the best validation's (ModelCheckpoint monitors val/ppl): the
+    manifest says which step that was, beside val/ppl before training and at each
+    validation."""
+    root, ref, _, _ = uninterrupted
+    curve = ref["training"]["valid_curve"]
+    assert curve["metric"] == "val/ppl" and curve["steps"] == [0, 8, 16, 24]
+    assert curve["scores"][0] == ref["valid_before_training"]["val/ppl"]
+    best = int(torch.tensor(curve["scores"][1:]).argmin()) + 1
+    assert ref["training"]["kept_step"] == curve["steps"][best]
+    assert ref["metrics"]["val/ppl"] == pytest.approx(curve["scores"][best])
 
 
 def test_a_fit_cut_short_by_max_time_records_the_step_it_reached(monkeypatch, tmp_path):
     manifest, steps, _ = fit(monkeypatch, tmp_path, overlay="trainer:\n  max_steps: 100000\n"
                                                             "  max_time: '00:00:00:01'\n")
-    assert manifest["training"] == {"steps": steps, "max_steps": 100000,
-                                    "stopped_by": "max_time", "resumed_from_steps": []}
+    assert {k: manifest["training"][k] for k in ("steps", "max_steps", "stopped_by",
+                                                 "resumed_from_steps")} == {
+        "steps": steps, "max_steps": 100000, "stopped_by": "max_time", "resumed_from_steps": []}
     assert 0 < steps < 100000 and state(tmp_path)["global_step"] == steps
 
 
@@ -214,7 +235,7 @@ def test_training_that_hurts_keeps_the_initial_weights(monkeypatch, tmp_path, un
     monkeypatch.setattr(training, "validate_before_training", snapshot)
     manifest, steps, said = fit(monkeypatch, tmp_path, lr=300.0)   # a learning rate that hurts
     assert steps == STEPS and "keeping the initial weights" in said
-    assert manifest["kept_initial_weights"] is True
+    assert manifest["kept_initial_weights"] is True and manifest["training"]["kept_step"] == 0
     before = manifest["valid_before_training"]["val/ppl"]
     assert manifest["metrics"]["val/ppl"] == before
     kept = state(tmp_path)["state_dict"]
