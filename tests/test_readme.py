@@ -1,9 +1,9 @@
 """The README stays true.
 
 - Its numbers are those of the committed runs, ``results/wikitext2-cpu/`` (``make demo`` from an
-  empty work directory on a clean clone of the commit the run names) and
-  ``results/wikitext2-smollm2-cpu/``: their tables, retrieval facts and stage times, every one
-  compared with the files.
+  empty work directory on a clean clone of the commit the run names),
+  ``results/wikitext2-smollm2-cpu/`` and the SPALM comparison's two runs: their tables,
+  retrieval facts and stage times, every one compared with the files.
 - Every ``gnnlm ...`` and ``make ...`` command it shows names a command or target that exists,
   and every config file it names is there and is YAML.
 - The test counts it states are what pytest collects.
@@ -193,6 +193,63 @@ def test_the_smollm2_datastore_curve_is_the_committed_run_s(smollm2, smollm2_sec
         change = _signed((point["test_ppl"] / base - 1) * 100, 1)
         line = next(x for x in lines if x.startswith(f"| {point['fraction']:.0%} | "))
         assert line.endswith(f" | {point['test_ppl']:.2f} | {change}% |"), line
+
+
+# -- the SPALM comparison: two committed runs ------------------------------------------------
+
+SPALM_RUNS = {
+    # run folder: the Transformer-XL row the others are compared with, and the table's rows
+    "wikitext2-spalm-cpu": ("transformer_xl", [
+        "transformer", "transformer_xl", "transformer_xl+knn", "transformer_xl+knn[k=4]",
+        "spalm_xl", "spalm_xl_variant"]),
+    "wikitext2-spalm-scratch-cpu": ("transformer_xl_scratch", [
+        "transformer_xl_scratch", "transformer_xl_scratch+knn",
+        "transformer_xl_scratch+knn[k=4]", "spalm_xl_scratch"]),
+}
+
+
+def _spalm_label(name: str, hparams: dict) -> str:
+    """How the README's SPALM tables name a row (the same in both pairs)."""
+    if "+knn" in name:
+        fitted = hparams[name]
+        return (f"+ kNN-LM (k = {fitted['k']}, T = {fitted['temperature']:g}, "
+                f"λ = {fitted['lambda']:g})")
+    return {"transformer": "transformer (no memory)", "spalm_xl_variant":
+            "SPALM (+gate bias, +memory scale)"}.get(
+        name, "SPALM, the paper's equations (k = 4)" if name.startswith("spalm")
+        else "Transformer-XL (M = 128)")
+
+
+@pytest.fixture(scope="module")
+def spalm_section() -> str:
+    """The README's section on the SPALM comparison, up to the next section."""
+    return _section("### SPALM against Transformer-XL")
+
+
+@pytest.mark.parametrize("run", sorted(SPALM_RUNS))
+def test_the_spalm_tables_are_the_committed_runs(run, spalm_section):
+    """Every row: the step its weights were kept from, valid and test perplexity, and the test
+    change against that pair's Transformer-XL; the run's commit and its time."""
+    folder = REPO / "results" / run
+    results = json.loads((folder / "results.json").read_text())
+    stage_times = json.loads((folder / "stage_times.json").read_text())
+    baseline, names = SPALM_RUNS[run]
+    ppl, valid, training = results["ppl"], results["valid_ppl"], results["training"]
+    for name in names:
+        trained = training[name.split("+")[0]]
+        change = "" if name == baseline else \
+            _signed((ppl[name] / ppl[baseline] - 1) * 100, 1).replace("+", "") + "%"
+        if change and not change.startswith(MINUS):
+            change = "+" + change
+        line = (f"| {_spalm_label(name, results['hparams'])} | {trained['kept_step']} / "
+                f"{trained['steps']} | {valid[name]:.2f} | {ppl[name]:.2f} | {change} |")
+        assert line in spalm_section, line
+    made_by = results["made_by"]
+    assert made_by == stage_times["made_by"] and made_by["dirty"] is False
+    text = " ".join(spalm_section.split())
+    assert f"`{run}` (commit {made_by['commit'][:7]}" in text
+    total = round(stage_times["total_seconds"])
+    assert f"took {total // 60} min {total % 60} s" in text
 
 
 # -- the commands the README shows -----------------------------------------------------------

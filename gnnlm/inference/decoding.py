@@ -150,8 +150,8 @@ class Decoder:
         self.lm, self.row, self.settings, self.incremental = lm, row, settings, incremental
         self.frozen = LMReader(lm.base_lm, lm, incremental)
         served = lm.served.row(row)
-        self.knn = lm.served.retrieval(row) if lm.served.is_knn(row) or row == rows.GNN_KNN \
-            else None
+        # kNN-LM over the base LM (knn) or over a head (gnn+knn, <head>+knn)
+        self.knn = lm.served.retrieval(row) if served.knn else None
         self.head = None if served.on_base_lm else lm.head(row)
         self.with_base = served.interpolation and self.knn is None  # <head>+base
         self.gnn = GNNReader(lm, self.head, incremental) if isinstance(self.head, TrainedGNN) \
@@ -215,7 +215,7 @@ class Decoder:
     def logprobs(self, tokens: Tensor) -> Tensor:
         row = self.row
         if self.knn is not None:
-            under = self.gnn_logprobs() if row == rows.GNN_KNN else self.base_logprobs()
+            under = self.base_logprobs() if self.head is None else self.head_logprobs(tokens)
             return interpolate_support(under, *self.knn_support(), self.settings.weight)
         if self.with_base:  # <head>+base: the head interpolated with the base LM
             return interpolate(self.base_logprobs(), self.head_logprobs(tokens),

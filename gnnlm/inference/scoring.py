@@ -8,7 +8,9 @@ a split's own tokens every row gives the report's per-token scores:
   (float16) for whatever reads them;
 - retrieval searches each position's feature as the neighbours stage did
   (``gnnlm.retrieval.lookup``); kNN-LM is the cached path's maths on those neighbours
-  (``gnnlm.retrieval.knn.knn_lm_logprob``, the target alone, Khandelwal et al. 2020);
+  (``gnnlm.retrieval.knn.knn_lm_logprob``, the target alone, Khandelwal et al. 2020),
+  interpolated with the base LM or with a head's scores under that head's protocol (GNN+kNN,
+  Transformer-XL + kNN-LM);
 - GNN-LM reads blocks of its ``block_size`` tokens from the text's start, each retrieved window
   computed once (``gnnlm.gnn.window_states``, Meng et al. 2022 §2);
 - SPALM's gate and a learned W_ds read the positions' features; SPALM with its last block trained
@@ -158,11 +160,12 @@ def row_logprobs(inputs: Inputs, row: str, settings: RowSettings) -> tuple[np.nd
                                        lm.bos_each_window)
     if row == rows.BASE:
         return inputs.frozen["logprob"], sliding
-    if lm.served.is_knn(row) or row == rows.GNN_KNN:
-        under = inputs.frozen["logprob"] if row != rows.GNN_KNN else \
-            row_logprobs(inputs, rows.GNN, settings)[0]
-        return knn_interpolated(inputs, row, under, settings), sliding
-    head_row = lm.served.row(row).head
+    served = lm.served.row(row)
+    if served.knn:  # kNN-LM over the base LM, or over a head (gnn+knn, <head>+knn)
+        under, protocol = (inputs.frozen["logprob"], sliding) if served.head is None else \
+            row_logprobs(inputs, served.head, settings)
+        return knn_interpolated(inputs, row, under, settings), protocol
+    head_row = served.head
     if head_row is not None and head_row != row:  # <head>+base: the head with the base LM
         alone = row_logprobs(inputs, head_row, lm.settings(head_row))[0]
         return interpolate(inputs.frozen["logprob"], alone, settings.weight), sliding

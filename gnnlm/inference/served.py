@@ -159,4 +159,4 @@ class Served:
     def is_knn(self, row: str) -> bool:
         """kNN-LM on the base LM: ``knn`` or ``knn[<key>]``."""
         served = rows.row(row)
-        return served.interpolation and served.on_base_lm
+        return served.knn and served.on_base_lm

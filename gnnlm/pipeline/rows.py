@@ -33,17 +33,18 @@ from typing import Any, Optional
 class Row:
     """One report row. ``trained``: trained by ``gnnlm fit`` and configured by the pipeline
     config's field ``name``. ``interpolation``: a mixture fitted on valid, not a model of its
-    own. ``head``: the trained row whose model scored this row's tokens (the row itself, or
-    what an interpolation mixes: ``gnn`` for ``gnn+knn``); None where only the base LM did
-    (``base``, ``knn``). ``folder``: that head's folder under ``models/`` (no brackets in
-    paths: ``learned_wds[n=3]`` → ``learned_wds_n3``). ``spalm_baseline``: a SPALM row, whose
+    own. ``head``: the trained row whose model scored this row's tokens (the row itself, or what
+    an interpolation mixes: ``gnn`` for ``gnn+knn``); None where only the base LM did (``base``,
+    ``knn``). ``folder``: that head's folder under ``models/`` (no brackets in paths:
+    ``learned_wds[n=3]`` → ``learned_wds_n3``). ``knn``: an interpolation with kNN-LM (over the
+    base LM when ``head`` is None, else over that head). ``spalm_baseline``: a SPALM row, whose
     gate and frequency analyses compare it with that row on the same tokens. ``fixed``: the row
-    has its place in the tables' order (a family such as ``learned_wds…`` is sorted at the
-    end)."""
+    has its place in the tables' order (a family such as ``learned_wds…`` is sorted at the end)."""
     name: str
     label: str
     trained: bool = False
     interpolation: bool = False
+    knn: bool = False
     head: Optional[str] = None
     folder: Optional[str] = None
     spalm_baseline: Optional[str] = None
@@ -68,9 +69,9 @@ LEARNED_WDS = "learned_wds"
 
 ROWS: tuple[Row, ...] = (
     Row(BASE, "base LM"),
-    Row(KNN, "+kNN", interpolation=True),
+    Row(KNN, "+kNN", interpolation=True, knn=True),
     trained_row(GNN, "+GNN"),
-    Row(GNN_KNN, "+GNN+kNN", interpolation=True, head=GNN, folder=GNN),
+    Row(GNN_KNN, "+GNN+kNN", interpolation=True, knn=True, head=GNN, folder=GNN),
     trained_row("spalm", "SPALM: gate on frozen LM", spalm_baseline=BASE),
     trained_row("spalm_ft", "SPALM: gate + last block", spalm_baseline=BASE),
     trained_row("transformer", "transformer (no memory)"),
@@ -143,11 +144,11 @@ def row(name: str) -> Row:
     if (match := _WITH_KNN.fullmatch(name)) and row(match["head"]).trained:
         head = row(match["head"])
         fixed_k = f" (k = {match['k']})" if match["k"] else ""
-        return Row(name, f"{head.label} + kNN-LM{fixed_k}", interpolation=True, head=head.head,
-                   folder=head.folder, fixed=False)
+        return Row(name, f"{head.label} + kNN-LM{fixed_k}", interpolation=True, knn=True,
+                   head=head.head, folder=head.folder, fixed=False)
     if match := _KNN_KEY.fullmatch(name):
         return Row(name, f"{BY_NAME[KNN].label}, {match['key']} keys", interpolation=True,
-                   fixed=False)
+                   knn=True, fixed=False)
     if match := _LEARNED_WDS_N.fullmatch(name):
         n = match["n"]
         return trained_row(name, f"learned W_ds (n = {n}) alone",

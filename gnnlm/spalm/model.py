@@ -33,7 +33,7 @@ options, named in the report's row label when they are on:
   its learned gain (‖h_t‖ ≈ 9 on the WikiText-2 CPU LM) while its tied embeddings have
   ‖y‖ ≈ 1, so W m_t moves the logits by about one tenth of what W h_t does, and any g_t < 1
   mostly shrinks h_t (a flatter softmax) instead of adding the retrieved tokens: the paper's
-  gate then closes (mean 0.958 in the CPU comparison, docs/results.md). The scale puts m_t at
+  gate then closes (mean 0.914 in the README's warm CPU comparison). The scale puts m_t at
   h_t's norm from the first step. It changes neither the attention over the values
   (softmax_i(y_i^T h_t) are still the LM's own logits of the retrieved tokens; scaling them too,
   y → s·y, sharpens that softmax to nearly an argmax and was worse) nor the gate.
