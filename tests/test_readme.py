@@ -208,6 +208,14 @@ SPALM_RUNS = {
 }
 
 
+SPALM_CURVE_LABELS = {
+    "transformer": "transformer (no memory)", "transformer_xl": "Transformer-XL",
+    "spalm_xl": "SPALM, the paper's equations",
+    "spalm_xl_variant": "SPALM (+gate bias, +memory scale)",
+    "transformer_xl_scratch": "Transformer-XL, from scratch",
+    "spalm_xl_scratch": "SPALM, the paper's equations, from scratch"}
+
+
 def _spalm_label(name: str, hparams: dict) -> str:
     """How the README's SPALM tables name a row (the same in both pairs)."""
     if "+knn" in name:
@@ -244,6 +252,11 @@ def test_the_spalm_tables_are_the_committed_runs(run, spalm_section):
         line = (f"| {_spalm_label(name, results['hparams'])} | {trained['kept_step']} / "
                 f"{trained['steps']} | {valid[name]:.2f} | {ppl[name]:.2f} | {change} |")
         assert line in spalm_section, line
+    for name in names:  # each trained row's valid curve, before training and every 100 steps
+        if "+" not in name:
+            curve = training[name]["valid_curve"]
+            cells = " | ".join(f"{score:,.1f}" for score in curve["scores"])
+            assert f"| {SPALM_CURVE_LABELS[name]} | {cells} |" in spalm_section, name
     made_by = results["made_by"]
     assert made_by == stage_times["made_by"] and made_by["dirty"] is False
     text = " ".join(spalm_section.split())
