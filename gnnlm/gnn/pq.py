@@ -116,29 +116,53 @@ def build_pq(workdir: Workdir, key: str, config: PQConfig | None = None, rebuild
             "codec_seconds": builder.progress.get("codec_seconds")})
 
 
+def decoding_tables(codec: faiss.Index) -> tuple[np.ndarray, Optional[np.ndarray],
+                                                  Optional[np.ndarray]]:
+    """The codec's decoder as arrays: PQ centroids ``[m, 256, d/m]`` and, for ``OPQ``, its
+    rotation ``A [d, d]`` and bias ``b [d]`` (``y = A x + b``; None without OPQ)."""
+    rotation = bias = None
+    if isinstance(codec, faiss.IndexPreTransform):
+        transform = faiss.downcast_VectorTransform(codec.chain.at(0))
+        rotation = faiss.vector_to_array(transform.A).reshape(transform.d_out, transform.d_in)
+        bias = faiss.vector_to_array(transform.b) if transform.have_bias else None
+        codec = faiss.downcast_index(codec.index)
+    pq = codec.pq
+    if pq.nbits != 8:
+        raise ValueError(f"PQ node features decode 8-bit codes (the codec has {pq.nbits}).")
+    centroids = faiss.vector_to_array(pq.centroids).reshape(pq.M, pq.ksub, pq.dsub)
+    return centroids, rotation, bias
+
+
 class PQFeatures:
-    """Decodes train features at given datastore positions from PQ codes."""
+    """Decodes train features at given datastore positions from PQ codes.
+
+    Decoding is a table lookup (each code byte picks its sub-quantizer's centroid) and, for
+    OPQ, the rotation's inverse, in numpy: DataLoader workers are forked, and a faiss call in a
+    forked child can wait forever on the OpenMP threads of its parent (GNU libgomp is not
+    fork-safe), so the workers never call faiss. The tables are read once, here."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.manifest = read_manifest(path, kind="pq")
         self.codes = open_array(path, "codes", self.manifest)          # [N, bytes] uint8
         self.dim = self.manifest["dim"]
-        self._codec: Optional[faiss.Index] = None  # faiss objects do not pickle: lazily loaded
+        self.centroids, self.rotation, self.bias = decoding_tables(
+            faiss.read_index(str(self.path / "codec.faiss")))
+        self._subquantizer = np.arange(len(self.centroids))[None, :]   # [1, m]
 
     def __getstate__(self):
-        return {**self.__dict__, "_codec": None, "codes": None}
+        return {**self.__dict__, "codes": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.codes = open_array(self.path, "codes", self.manifest)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
-        if self._codec is None:
-            self._codec = faiss.read_index(str(self.path / "codec.faiss"))
-        if len(positions) == 0:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        return self._codec.sa_decode(np.ascontiguousarray(self.codes[positions]))   # [n, d]
+        codes = np.asarray(self.codes[positions])                       # [n, m] uint8
+        x = self.centroids[self._subquantizer, codes].reshape(len(codes), self.dim)   # [n, d]
+        if self.rotation is not None:  # y = A x + b with A orthonormal: x = Aᵀ (y − b)
+            x = (x - self.bias if self.bias is not None else x) @ self.rotation
+        return x
 
 
 class RawFeatures:

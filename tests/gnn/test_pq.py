@@ -163,7 +163,7 @@ def test_decoders_survive_pickling(built):
     assert raw.dim == pq.dim == D
     # what a DataLoader worker receives holds no open memmap or faiss object
     state = pq.__getstate__()
-    assert state["codes"] is None and state["_codec"] is None
+    assert state["codes"] is None and not any(isinstance(v, faiss.Index) for v in state.values())
     assert raw.__getstate__()["values"] is None
 
 
@@ -194,3 +194,54 @@ def test_the_log_accounts_for_the_codec_training(tmp_path, monkeypatch, capsys):
     codes = next(i for i, line in enumerate(lines) if line.startswith("PQ codes final: 3/3"))
     assert start < trained < codes
     assert 0 < manifest["codec_seconds"] <= manifest["seconds"]
+
+
+@pytest.mark.parametrize("opq", [False, True])
+def test_the_numpy_decoder_is_faiss_s(tmp_path, opq):
+    """The table lookup (and OPQ's inverse rotation) gives faiss's own ``sa_decode``."""
+    x = low_rank(n=1200)
+    wd = workdir_with_features(tmp_path, x)
+    build_pq(wd, "final", PQConfig(m=4, opq=opq, train_sample=1000, chunk=500))
+    codec = faiss.read_index(str(wd.pq("final") / "codec.faiss"))
+    assert isinstance(codec, faiss.IndexPreTransform) == opq
+    positions = np.array([7, 1199, 0, 7, 300])
+    codes = np.ascontiguousarray(open_array(wd.pq("final"), "codes")[positions])
+    decoded = PQFeatures(wd.pq("final"))(positions)
+    assert decoded.dtype == np.float32 and decoded.shape == (5, D)
+    if opq:  # one matrix product in another order: float32 rounding apart
+        np.testing.assert_allclose(decoded, codec.sa_decode(codes), rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(decoded, codec.sa_decode(codes))
+
+
+FORKED_DECODE = """
+import multiprocessing, sys
+import faiss, numpy as np
+from gnnlm.gnn.pq import PQFeatures
+faiss.omp_set_num_threads(2)
+pq = PQFeatures(sys.argv[1])
+x = np.random.default_rng(0).standard_normal((20000, 32)).astype("float32")
+index = faiss.IndexFlatL2(32); index.add(x); index.search(x[:2000], 4)  # OpenMP threads start
+def decode(queue):
+    queue.put(pq(np.arange(1000)).shape)
+ctx = multiprocessing.get_context("fork")   # what DataLoader workers are on Linux
+queue = ctx.Queue()
+child = ctx.Process(target=decode, args=(queue,))
+child.start()
+print(queue.get(timeout=60))
+child.join()
+"""
+
+
+def test_a_forked_dataloader_worker_decodes_after_the_parent_ran_faiss_threads(built, tmp_path):
+    """GNN-LM's GPU config decodes PQ features in 8 forked DataLoader workers, after the parent
+    has run faiss (index, search, PQ training) on OpenMP threads: the workers must not wait on
+    those threads (a faiss decode there hung the first run of that config)."""
+    import subprocess
+    import sys
+
+    wd, _, _ = built
+    result = subprocess.run([sys.executable, "-c", FORKED_DECODE, str(wd.pq("final"))],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"(1000, {D})"
