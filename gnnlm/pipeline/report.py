@@ -294,8 +294,9 @@ def training_lines(results: dict) -> list[str]:
         if note.get("resumed_from_steps"):
             said.append("resumed from step " + ", ".join(map(str, note["resumed_from_steps"])))
         if note.get("stopped_by") == "max_time":
-            said.append(f"stopped by max_time at step {note['steps']} of max_steps "
-                        f"{note['max_steps']}")
+            bound = note.get("max_steps", -1)  # -1: bound by epochs, not steps
+            said.append(f"stopped by max_time at step {note['steps']}"
+                        + (f" of max_steps {bound}" if bound > 0 else ""))
         lines.append(f"{_label(results, note['row'])}: {'; '.join(said)}")
     return lines
 

@@ -362,3 +362,18 @@ def test_every_spalm_row_gets_the_gate_per_token_analysis(tmp_path):
         assert f"{rows.label(name)} gate on test (tokens per bin of the mean gate" in text
     assert "spalm_xl_variant_analysis" not in report
     assert "number of neighbours" in text  # spalm_xl's k curve
+
+
+def test_a_time_stop_of_a_run_bound_by_epochs_names_no_step_bound():
+    """Rows trained for epochs (max_steps -1, as Lightning records it) stop by time at a step;
+    there is no step bound to name."""
+    from gnnlm.pipeline.report import training_lines
+
+    results = {"training_notes": [
+        {"row": "base", "steps": 54, "max_steps": -1, "stopped_by": "max_time",
+         "resumed_from_steps": []},
+        {"row": "base", "steps": 150, "max_steps": 2000, "stopped_by": "max_time",
+         "resumed_from_steps": []}]}
+    assert training_lines(results) == ["base LM: stopped by max_time at step 54",
+                                       "base LM: stopped by max_time at step 150 of max_steps "
+                                       "2000"]
