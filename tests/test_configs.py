@@ -3,6 +3,7 @@ configs parse and pass their cross-file checks, ``gnnlm fit`` configs (bases wit
 instantiate trainer, model and data, and sweep configs are W&B sweep definitions."""
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
@@ -88,9 +89,10 @@ def fit_chains() -> list[list[str]]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("chain", fit_chains(), ids=lambda c: c[-1])
-def test_fit_configs_instantiate(chain, workdir, wikitext_tokens, monkeypatch):
+def test_fit_configs_instantiate(chain, workdir, wikitext_tokens, monkeypatch, tmp_path):
     """Data modules on frozen features read the test pipeline's artifacts; LM data modules
-    tokenize into the session's WikiText-2 folder (the test LM into the pipeline's own)."""
+    tokenize into the session's WikiText-2 folder (the test LM into the pipeline's own, the
+    GPU rehearsal's LM, with a vocabulary of its own, into a fresh one)."""
     monkeypatch.chdir(REPO)
     merged = {}
     for f in chain:
@@ -99,6 +101,8 @@ def test_fit_configs_instantiate(chain, workdir, wikitext_tokens, monkeypatch):
     target = wikitext_tokens.path.parent if data_class.endswith("LMDataModule") else workdir
     if data_class.endswith("LMDataModule") and any("tests/" in f for f in chain):
         target = workdir  # the test LM's own (smaller) vocabulary lives there
+        if any(f.startswith("configs/tests/gpu_rehearsal/") for f in chain):
+            target = tmp_path
     corpus = [(yaml.safe_load((REPO / f).read_text()).get("data") or {}).get("init_args", {})
               .get("corpus") for f in chain]
     corpus = [c for c in corpus if c][-1:]
@@ -115,3 +119,76 @@ def test_fit_configs_instantiate(chain, workdir, wikitext_tokens, monkeypatch):
     assert cli.model.hparams.vocab_size == cli.datamodule.vocab_size > 0
     if hasattr(cli.datamodule, "feature_dim"):
         assert cli.model.hparams.feature_dim == cli.datamodule.feature_dim
+
+
+# -- the GPU table's rehearsal (configs/tests/gpu_rehearsal.yaml) ------------------------------
+GPU_PIPELINE = "configs/wikitext2/pipeline.yaml"
+REHEARSAL = "configs/tests/gpu_rehearsal.yaml"
+SIZE_OVERLAYS = "configs/tests/gpu_rehearsal/"
+# what the rehearsal may change in pipeline.yaml: sizes (and its own name and work directory)
+REHEARSAL_PIPELINE_FIELDS = {("name",), ("workdir",), ("features", "context"),
+                             ("features", "stride"), ("features", "max_tokens"),
+                             ("index", "factory"), ("index", "train_sample"),
+                             ("index", "recall_queries"), ("neighbors", "K"),
+                             ("neighbors", "train_queries"), ("knn", "ks"), ("pq", "m")}
+# ... and in a fit YAML: the device, the model's and the data's sizes, the step counts of the
+# base LM (whose time limit the GPU sets) and the step size of a 64-wide model
+REHEARSAL_FIT_FIELDS = {
+    ("trainer", "accelerator"), ("trainer", "max_steps"), ("trainer", "val_check_interval"),
+    ("trainer", "enable_progress_bar"),
+    *(("model", "init_args", name) for name in ("context_length", "n_layer", "d_model", "d_ff",
+                                                 "memory_length")),
+    ("model", "init_args", "optim", "lr"), ("model", "init_args", "optim", "warmup_steps"),
+    *(("data", "init_args", name) for name in ("block_size", "eval_context", "eval_stride",
+                                                "train_tokens", "eval_tokens", "k_schedule",
+                                                "eval_ks")),
+    ("data", "init_args", "tokenizer", "kind"), ("data", "init_args", "tokenizer", "max_vocab"),
+    ("data", "init_args", "graph", "k")}
+
+
+def _leaves(tree, prefix=()):
+    """``{path: value}`` of a nested dict's leaves (lists are leaves)."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, (*prefix, key)).items()}
+    return {prefix: tree}
+
+
+def _sections(path: str) -> dict:
+    return yaml.safe_load((REPO / path).read_text())
+
+
+def test_the_gpu_rehearsal_trains_every_part_of_the_gpu_table_with_its_chain():
+    """Each trained part of pipeline.yaml is trained by the rehearsal with the same YAMLs, one
+    size overlay put right after the model's own YAML (before any row overlay)."""
+    gpu, rehearsal = _sections(GPU_PIPELINE), _sections(REHEARSAL)
+    trained = {s for s, v in gpu.items() if isinstance(v, dict) and v.get("config")}
+    assert trained == {s for s, v in rehearsal.items() if isinstance(v, dict) and "config" in v}
+    assert {"base_lm", "gnn", "spalm", "transformer", "transformer_xl", "spalm_xl",
+            "spalm_xl_variant", "transformer_xl_scratch", "spalm_xl_scratch"} == trained
+    for section in trained:
+        chain, rehearsed = gpu[section]["config"], rehearsal[section]["config"]
+        sized = [f for f in rehearsed if f.startswith(SIZE_OVERLAYS)]
+        assert len(sized) == 1 and rehearsed.index(sized[0]) == 2, section
+        assert [f for f in rehearsed if f != sized[0]] == chain, section
+
+
+def test_the_gpu_rehearsal_changes_sizes_and_the_device_only():
+    """What the rehearsal overlays are sizes: the pipeline's and each fit YAML's; precision,
+    time limits, workers, callbacks, the search backend, keys and options are pipeline.yaml's."""
+    rehearsal = _sections(REHEARSAL)
+    changed = {path for path in _leaves({k: v for k, v in rehearsal.items()
+                                         if not (isinstance(v, dict) and "config" in v)})}
+    changed = {path[:2] if path[0] == "features" and path[1] == "max_tokens" else path
+               for path in changed}
+    assert changed <= REHEARSAL_PIPELINE_FIELDS, changed - REHEARSAL_PIPELINE_FIELDS
+    overlays = sorted((REPO / SIZE_OVERLAYS).glob("*.yaml"))
+    assert len(overlays) == 4
+    for path in overlays:
+        fields = set(_leaves(_sections(str(path.relative_to(REPO)))))
+        assert fields <= REHEARSAL_FIT_FIELDS, (path.name, fields - REHEARSAL_FIT_FIELDS)
+        assert _sections(str(path.relative_to(REPO)))["trainer"]["accelerator"] == "auto"
+    # the searches of the GPU table, at slice size
+    gpu = _sections(GPU_PIPELINE)
+    assert gpu["neighbors"]["backend"] == "exact" and "backend" not in rehearsal["neighbors"]
+    assert re.fullmatch(r"IVF\d+,PQ\d+x8np", rehearsal["index"]["factory"])
+    assert re.fullmatch(r"IVF\d+,PQ\d+x8np", gpu["index"]["factory"])

@@ -406,3 +406,41 @@ def test_the_test_counts_the_readme_states_are_what_pytest_collects():  # not th
     assert (unit, total) == (int(counts.group(1)), int(counts.group(2))), (
         f"the README says {total} tests, {unit} of them in make test-unit; pytest collects "
         f"{counts.group(2)}, {counts.group(1)} of them without {marks}: update the README")
+
+
+def _seconds(max_time: str) -> int:
+    """Lightning's ``DD:HH:MM:SS`` as seconds."""
+    days, hours, minutes, seconds = map(int, max_time.split(":"))
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def test_the_gpu_budget_is_the_configs_time_limits_and_fits_ten_minutes():
+    """The README's budget of the GPU table: each `max_time` row is its config's limit (times
+    the rows that share it), every trained part of pipeline.yaml has a limit in the table, and
+    the parts add up to the total, which is under the 600 s of one command."""
+    from gnnlm.pipeline.config_files import merged_yaml
+
+    table = _section("### On one GPU")
+    rows = re.findall(r"^\| (.+?) \| (\*\*)?(\d+)(\*\*)? \|", table, re.M)
+    budget = {name: int(seconds) for name, _, seconds, _ in rows}
+    total = budget.pop("**total**")
+    assert sum(budget.values()) == total <= 600
+    limited = {re.search(r"`(\w+\.yaml)`, `max_time`", name).group(1): (name, seconds)
+               for name, seconds in budget.items() if "`max_time`" in name}
+    pipeline = yaml.safe_load((REPO / "configs/wikitext2/pipeline.yaml").read_text())
+    chains = [part["config"] for part in pipeline.values()
+              if isinstance(part, dict) and part.get("config")]
+    assert len(chains) == 9
+    uses = {}
+    for chain in chains:
+        limit = merged_yaml(chain)["trainer"].get("max_time")
+        assert limit is not None, chain                         # every trained part is bounded
+        model_yaml = chain[1].rsplit("/", 1)[-1]                # the part's own YAML
+        assert model_yaml in limited, chain
+        uses.setdefault(model_yaml, set()).add(_seconds(limit))
+    for model_yaml, (name, seconds) in limited.items():
+        assert len(uses[model_yaml]) == 1, model_yaml           # the rows share one limit
+        count = sum(chain[1].endswith(model_yaml) for chain in chains)
+        if count > 1:
+            assert f"{count} rows" in name, name
+        assert seconds == count * uses[model_yaml].pop(), name

@@ -1,0 +1,121 @@
+"""The GPU table's rehearsal on the CPU: ``scripts/gpu_table.sh`` with ``pipeline.yaml`` and the
+fit YAMLs it names, overlaid by ``configs/tests/gpu_rehearsal.yaml`` (sizes and device only), run
+from a fresh folder. Every GPU option runs: bf16-mixed autocast, exact search, both key types,
+PQ node features read by 8 DataLoader workers, the k curriculum, the eval_ks list, SPALM's gate
+and the SPALM comparison's six rows with their kNN-LM ceilings, and every time limit. About 6
+minutes on two idle cores (bf16 matmuls run several times slower than float32 on a CPU without
+bf16 units)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gnnlm.pipeline.config_files import merged_yaml
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+REHEARSAL = ["-c", "configs/tests/gpu_rehearsal.yaml"]
+SIZE_OVERLAYS = "configs/tests/gpu_rehearsal/"
+ROWS = {"base", "knn", "knn[att]", "gnn", "gnn+knn", "spalm",
+        "transformer", "transformer_xl", "spalm_xl", "spalm_xl_variant",
+        "transformer_xl_scratch", "spalm_xl_scratch",
+        "transformer_xl+knn", "transformer_xl+knn[k=4]",
+        "transformer_xl_scratch+knn", "transformer_xl_scratch+knn[k=4]"}
+TRAINED = ["base_lm", "gnn", "spalm", "transformer", "transformer_xl", "spalm_xl",
+           "spalm_xl_variant", "transformer_xl_scratch", "spalm_xl_scratch"]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(wikitext_root, tmp_path_factory):
+    """The rehearsal, once, in a fresh folder; returns (folder, table folder)."""
+    cwd = tmp_path_factory.mktemp("gpu-rehearsal")
+    (cwd / "configs").symlink_to(REPO / "configs")
+    env = {**os.environ, "PYTHON": sys.executable, "GNNLM_DATA": str(wikitext_root),
+           "GNNLM_WHEELS": str(cwd / "no-wheels"), "GNNLM_SITE": str(cwd / "site")}
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_table.sh"), "table",
+                             *REHEARSAL], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=2700)
+    if result.returncode != 0:
+        raise AssertionError(f"the GPU rehearsal failed:\n{result.stdout[-6000:]}\n"
+                             f"{result.stderr[-3000:]}")
+    return cwd, cwd / "table"
+
+
+@pytest.fixture(scope="module")
+def results(rehearsal) -> dict:
+    return json.loads((rehearsal[1] / "results.json").read_text())
+
+
+def _leaves(tree, prefix=()):
+    """``{path: value}`` of a nested dict's leaves (lists are leaves)."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, (*prefix, key)).items()}
+    return {prefix: tree}
+
+
+def test_every_row_of_the_gpu_table_is_scored_on_the_same_tokens(rehearsal, results):
+    assert set(results["ppl"]) == ROWS
+    with np.load(rehearsal[1] / "test_logprobs.npz") as scores:
+        assert set(scores.files) == ROWS
+        for row in ROWS:
+            assert scores[row].shape == (results["tokens"],) == (5_000,), row
+            assert np.isfinite(scores[row]).all() and (scores[row] <= 0).all(), row
+    stages = {s["stage"] for s in
+              json.loads((rehearsal[1] / "stage_times.json").read_text())["stages"]}
+    assert {"base_lm", "features", "index[final]", "neighbors[final]", "index[att]",
+            "neighbors[att]", "pq", "interpolations", "report", *TRAINED[1:]} <= stages
+    assert "+GNN+kNN" in (rehearsal[1] / "pipeline.log").read_text()
+
+
+def test_retrieval_is_the_gpu_config_s_exact_search_with_both_keys(results):
+    for key in ("final", "att"):
+        facts = results["retrieval"][key]
+        assert facts["backend"] == "exact" and facts["K"] == 64, facts
+        assert facts["index_factory"] == "IVF64,PQ16x8np"
+    for row in ("knn", "knn[att]", "gnn+knn", "transformer_xl+knn"):
+        assert results["hparams"][row]["neighbours"] == "exact neighbours", row
+    # real outcomes on the slice: retrieval helps the rehearsal's base LM
+    assert results["ppl"]["knn"] < 0.9 * results["ppl"]["base"]
+    assert results["ppl"]["gnn+knn"] < 0.9 * results["ppl"]["base"]
+
+
+def test_gnn_lm_ran_its_curriculum_on_pq_features_and_scored_every_eval_k(rehearsal, results):
+    workdir = rehearsal[0] / "runs" / "tests" / "gpu-rehearsal"
+    pq = json.loads((workdir / "pq" / "final" / "manifest.json").read_text())
+    assert pq["code_bytes"] == 16 and pq["factory"] == "PQ16x8np"
+    data = json.loads((workdir / "models" / "gnn" / "manifest.json").read_text())[
+        "config"]["values"]["data"]["init_args"]
+    assert data["node_features"] == "pq" and data["num_workers"] == 8
+    assert data["k_schedule"] == [[0, 4], [1, 8]]
+    # both epochs of the curriculum trained (time was not the bound), the second at k = 8
+    training = results["training"]["gnn"]
+    assert training["stopped_by"] == "max_epochs", training
+    assert sorted(int(k) for k in results["gnn_eval_k"]["valid_ppl"]) == [4, 8, 16, 32]
+    assert str(results["gnn_eval_k"]["chosen"]) in results["gnn_eval_k"]["valid_ppl"]
+
+
+@pytest.mark.parametrize("part", TRAINED)
+def test_every_trained_part_ran_the_gpu_config_s_options(rehearsal, part):
+    """Each trained part's recorded config is its GPU chain's, but for what the rehearsal's
+    size overlay sets: bf16-mixed, the time limit, workers, schedules, callbacks."""
+    workdir = rehearsal[0] / "runs" / "tests" / "gpu-rehearsal"
+    folder = {"base_lm": "base_lm"}.get(part, part)
+    manifest = json.loads((workdir / "models" / folder / "manifest.json").read_text())
+    recorded = _leaves(manifest["config"]["values"])
+    section = merged_yaml(["configs/wikitext2/pipeline.yaml", "configs/tests/gpu_rehearsal.yaml"]
+                          )[part]["config"]
+    chain = [REPO / f for f in section]
+    sized = [f for f in chain if str(f.relative_to(REPO)).startswith(SIZE_OVERLAYS)]
+    assert len(sized) == 1, section
+    gpu = _leaves(merged_yaml([str(f) for f in chain if f not in sized]))
+    resized = _leaves(merged_yaml([str(sized[0])]))
+    assert recorded[("trainer", "precision")] == "bf16-mixed"
+    assert recorded[("trainer", "max_time")] == gpu[("trainer", "max_time")]
+    kept = {path: value for path, value in gpu.items() if path not in resized}
+    assert {path: recorded.get(path) for path in kept} == kept
