@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import faiss
 import numpy as np
@@ -116,13 +116,13 @@ def build_pq(workdir: Workdir, key: str, config: PQConfig | None = None, rebuild
             "codec_seconds": builder.progress.get("codec_seconds")})
 
 
-def decoding_tables(codec: faiss.Index) -> tuple[np.ndarray, Optional[np.ndarray],
-                                                  Optional[np.ndarray]]:
+def decoding_tables(codec: Any) -> tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
     """The codec's decoder as arrays: PQ centroids ``[m, 256, d/m]`` and, for ``OPQ``, its
     rotation ``A [d, d]`` and bias ``b [d]`` (``y = A x + b``; None without OPQ)."""
     rotation = bias = None
     if isinstance(codec, faiss.IndexPreTransform):
-        transform = faiss.downcast_VectorTransform(codec.chain.at(0))
+        chain: Any = codec.chain  # a SWIG vector (typed as a list)
+        transform: Any = faiss.downcast_VectorTransform(chain.at(0))
         rotation = faiss.vector_to_array(transform.A).reshape(transform.d_out, transform.d_in)
         bias = faiss.vector_to_array(transform.b) if transform.have_bias else None
         codec = faiss.downcast_index(codec.index)
