@@ -137,3 +137,15 @@ def workdir(run_dir) -> Path:
 @pytest.fixture(scope="session")
 def results(workdir) -> dict:
     return json.loads((workdir / "reports" / "tests" / "results.json").read_text())
+
+
+# the GPU table's rehearsal: configs/tests/gpu_rehearsal.yaml and its fit overlays (sizes only)
+REHEARSAL_SIZE_OVERLAYS = "configs/tests/gpu_rehearsal/"
+
+
+def yaml_leaves(tree, prefix=()) -> dict:
+    """``{path: value}`` of a nested dict's leaves (lists are leaves)."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items()
+                for k, v in yaml_leaves(sub, (*prefix, key)).items()}
+    return {prefix: tree}

@@ -15,7 +15,7 @@ from gnnlm.pipeline.config import load_config
 from gnnlm.pipeline.config_files import yaml_list
 from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
 from gnnlm.pipeline.training import check_fit_configs
-from tests.conftest import REPO, data_dir
+from tests.conftest import REHEARSAL_SIZE_OVERLAYS, REPO, data_dir, yaml_leaves
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
@@ -101,7 +101,7 @@ def test_fit_configs_instantiate(chain, workdir, wikitext_tokens, monkeypatch, t
     target = wikitext_tokens.path.parent if data_class.endswith("LMDataModule") else workdir
     if data_class.endswith("LMDataModule") and any("tests/" in f for f in chain):
         target = workdir  # the test LM's own (smaller) vocabulary lives there
-        if any(f.startswith("configs/tests/gpu_rehearsal/") for f in chain):
+        if any(f.startswith(REHEARSAL_SIZE_OVERLAYS) for f in chain):
             target = tmp_path
     corpus = [(yaml.safe_load((REPO / f).read_text()).get("data") or {}).get("init_args", {})
               .get("corpus") for f in chain]
@@ -124,7 +124,6 @@ def test_fit_configs_instantiate(chain, workdir, wikitext_tokens, monkeypatch, t
 # -- the GPU table's rehearsal (configs/tests/gpu_rehearsal.yaml) ------------------------------
 GPU_PIPELINE = "configs/wikitext2/pipeline.yaml"
 REHEARSAL = "configs/tests/gpu_rehearsal.yaml"
-SIZE_OVERLAYS = "configs/tests/gpu_rehearsal/"
 # what the rehearsal may change in pipeline.yaml: sizes (and its own name and work directory)
 REHEARSAL_PIPELINE_FIELDS = {("name",), ("workdir",), ("features", "context"),
                              ("features", "stride"), ("features", "max_tokens"),
@@ -146,12 +145,6 @@ REHEARSAL_FIT_FIELDS = {
     ("data", "init_args", "graph", "k")}
 
 
-def _leaves(tree, prefix=()):
-    """``{path: value}`` of a nested dict's leaves (lists are leaves)."""
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, (*prefix, key)).items()}
-    return {prefix: tree}
-
 
 def _sections(path: str) -> dict:
     return yaml.safe_load((REPO / path).read_text())
@@ -167,7 +160,7 @@ def test_the_gpu_rehearsal_trains_every_part_of_the_gpu_table_with_its_chain():
             "spalm_xl_variant", "transformer_xl_scratch", "spalm_xl_scratch"} == trained
     for section in trained:
         chain, rehearsed = gpu[section]["config"], rehearsal[section]["config"]
-        sized = [f for f in rehearsed if f.startswith(SIZE_OVERLAYS)]
+        sized = [f for f in rehearsed if f.startswith(REHEARSAL_SIZE_OVERLAYS)]
         assert len(sized) == 1 and rehearsed.index(sized[0]) == 2, section
         assert [f for f in rehearsed if f != sized[0]] == chain, section
 
@@ -176,15 +169,15 @@ def test_the_gpu_rehearsal_changes_sizes_and_the_device_only():
     """What the rehearsal overlays are sizes: the pipeline's and each fit YAML's; precision,
     time limits, workers, callbacks, the search backend, keys and options are pipeline.yaml's."""
     rehearsal = _sections(REHEARSAL)
-    changed = {path for path in _leaves({k: v for k, v in rehearsal.items()
+    changed = {path for path in yaml_leaves({k: v for k, v in rehearsal.items()
                                          if not (isinstance(v, dict) and "config" in v)})}
     changed = {path[:2] if path[0] == "features" and path[1] == "max_tokens" else path
                for path in changed}
     assert changed <= REHEARSAL_PIPELINE_FIELDS, changed - REHEARSAL_PIPELINE_FIELDS
-    overlays = sorted((REPO / SIZE_OVERLAYS).glob("*.yaml"))
+    overlays = sorted((REPO / REHEARSAL_SIZE_OVERLAYS).glob("*.yaml"))
     assert len(overlays) == 4
     for path in overlays:
-        fields = set(_leaves(_sections(str(path.relative_to(REPO)))))
+        fields = set(yaml_leaves(_sections(str(path.relative_to(REPO)))))
         assert fields <= REHEARSAL_FIT_FIELDS, (path.name, fields - REHEARSAL_FIT_FIELDS)
         assert _sections(str(path.relative_to(REPO)))["trainer"]["accelerator"] == "auto"
     # the searches of the GPU table, at slice size

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 from gnnlm.pipeline.config_files import merged_yaml
-from tests.conftest import REPO
+from tests.conftest import REHEARSAL_SIZE_OVERLAYS, REPO, yaml_leaves
 
 pytestmark = pytest.mark.integration
 
 REHEARSAL = ["-c", "configs/tests/gpu_rehearsal.yaml"]
-SIZE_OVERLAYS = "configs/tests/gpu_rehearsal/"
 ROWS = {"base", "knn", "knn[att]", "gnn", "gnn+knn", "spalm",
         "transformer", "transformer_xl", "spalm_xl", "spalm_xl_variant",
         "transformer_xl_scratch", "spalm_xl_scratch",
@@ -51,12 +50,6 @@ def rehearsal(wikitext_root, tmp_path_factory):
 def results(rehearsal) -> dict:
     return json.loads((rehearsal[1] / "results.json").read_text())
 
-
-def _leaves(tree, prefix=()):
-    """``{path: value}`` of a nested dict's leaves (lists are leaves)."""
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, (*prefix, key)).items()}
-    return {prefix: tree}
 
 
 def test_every_row_of_the_gpu_table_is_scored_on_the_same_tokens(rehearsal, results):
@@ -93,7 +86,7 @@ def test_gnn_lm_ran_its_curriculum_on_pq_features_and_scored_every_eval_k(rehear
         "config"]["values"]["data"]["init_args"]
     assert data["node_features"] == "pq" and data["num_workers"] == 8
     assert data["k_schedule"] == [[0, 4], [1, 8]]
-    # both epochs of the curriculum trained (time was not the bound), the second at k = 8
+    # both epochs of the curriculum trained, k = 4 then k = 8: time was not the bound
     training = results["training"]["gnn"]
     assert training["stopped_by"] == "max_epochs", training
     assert sorted(int(k) for k in results["gnn_eval_k"]["valid_ppl"]) == [4, 8, 16, 32]
@@ -105,16 +98,15 @@ def test_every_trained_part_ran_the_gpu_config_s_options(rehearsal, part):
     """Each trained part's recorded config is its GPU chain's, but for what the rehearsal's
     size overlay sets: bf16-mixed, the time limit, workers, schedules, callbacks."""
     workdir = rehearsal[0] / "runs" / "tests" / "gpu-rehearsal"
-    folder = {"base_lm": "base_lm"}.get(part, part)
-    manifest = json.loads((workdir / "models" / folder / "manifest.json").read_text())
-    recorded = _leaves(manifest["config"]["values"])
-    section = merged_yaml(["configs/wikitext2/pipeline.yaml", "configs/tests/gpu_rehearsal.yaml"]
-                          )[part]["config"]
+    manifest = json.loads((workdir / "models" / part / "manifest.json").read_text())
+    recorded = yaml_leaves(manifest["config"]["values"])
+    section = merged_yaml([str(REPO / "configs/wikitext2/pipeline.yaml"),
+                           str(REPO / "configs/tests/gpu_rehearsal.yaml")])[part]["config"]
     chain = [REPO / f for f in section]
-    sized = [f for f in chain if str(f.relative_to(REPO)).startswith(SIZE_OVERLAYS)]
+    sized = [f for f in chain if str(f.relative_to(REPO)).startswith(REHEARSAL_SIZE_OVERLAYS)]
     assert len(sized) == 1, section
-    gpu = _leaves(merged_yaml([str(f) for f in chain if f not in sized]))
-    resized = _leaves(merged_yaml([str(sized[0])]))
+    gpu = yaml_leaves(merged_yaml([str(f) for f in chain if f not in sized]))
+    resized = yaml_leaves(merged_yaml([str(sized[0])]))
     assert recorded[("trainer", "precision")] == "bf16-mixed"
     assert recorded[("trainer", "max_time")] == gpu[("trainer", "max_time")]
     kept = {path: value for path, value in gpu.items() if path not in resized}
