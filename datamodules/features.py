@@ -20,6 +20,7 @@ from datamodules.base import WorkdirDataModule
 from datamodules.sampling import eval_sampler
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.retrieval.neighbors import neighbor_values
+from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
 
@@ -113,6 +114,7 @@ class FeatureDataModule(WorkdirDataModule):
         data = FeatureBlocks(self.workdir, split, self.key, self.block_size, values,
                              self.train_tokens if split == "train" else self.eval_tokens)
         return DataLoader(data, batch_size=None, shuffle=train, num_workers=self.num_workers,
+                          pin_memory=pin_memory(),
                           sampler=None if train else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

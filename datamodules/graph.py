@@ -48,6 +48,7 @@ from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.pq import PQFeatures, RawFeatures
 from gnnlm.gnn.settings import GraphLayout
 from gnnlm.retrieval.features import open_features
+from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
 
@@ -229,7 +230,8 @@ class GraphDataModule(WorkdirDataModule):
     def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:
         data = self.dataset(split, k)
         return DataLoader(data, batch_size=self.batch_size if train else self.eval_batch_size,
-                          shuffle=train, num_workers=self.num_workers, persistent_workers=False,
+                          shuffle=train, num_workers=self.num_workers, pin_memory=pin_memory(),
+                          persistent_workers=False,
                           sampler=None if train else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

@@ -23,6 +23,7 @@ from datamodules.lm import Blocks, SlidingWindows
 from datamodules.sampling import eval_sampler
 from gnnlm.models import hf_options, protocols
 from gnnlm.models.protocols import Protocol
+from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import SPLITS
 
@@ -104,7 +105,7 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
                         self.window_bos)
         data = WithNeighborValues(blocks, values)
         return DataLoader(data, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+                          num_workers=self.num_workers, pin_memory=pin_memory())
 
     def eval_dataloader(self, split: str) -> DataLoader:
         values = self._values(split)
@@ -116,4 +117,5 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
                                  self.stride, self.window_bos)
         data = WithNeighborValues(windows, values)
         return DataLoader(data, batch_size=self.eval_batch_size, shuffle=False,
-                          num_workers=self.num_workers, sampler=eval_sampler(self, data))
+                          num_workers=self.num_workers, pin_memory=pin_memory(),
+                          sampler=eval_sampler(self, data))

@@ -32,6 +32,7 @@ from datamodules.sampling import eval_sampler
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.models.segments import StreamSegments
+from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import SPLITS
 
@@ -156,7 +157,7 @@ class SpalmDataModule(WorkdirDataModule):
             batch_size = n_streams // world
         data = self.segments(split, n_streams)
         return DataLoader(data, batch_size=batch_size, shuffle=False,
-                          num_workers=self.num_workers,
+                          num_workers=self.num_workers, pin_memory=pin_memory(),
                           sampler=None if split == "train" else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

@@ -1,8 +1,8 @@
 """``gnnlm explain``: an input text and the train contexts it retrieves (GNN-LM Table 6).
 
 The base LM reads the text (the sliding windows of text that grows, ``gnnlm.models.decode``);
-the feature of its last position (the one that predicts the next word) queries the pipeline's
-index as the pipeline searched (``gnnlm.retrieval.lookup``); each retrieved train position p is
+the feature of its last position (the one that predicts the next word) queries the train keys
+as the pipeline searched them (``gnnlm.retrieval.lookup``); each retrieved train position p is
 shown as the train text around it with its value — the token that followed it, which kNN-LM
 would predict — in brackets. The base LM's and, when the pipeline trained one, GNN-LM's most
 likely next tokens follow (``TrainedLM.next_token_logprobs``, GNN-LM at the k chosen on valid).
@@ -69,7 +69,8 @@ def main(args: list[str]) -> list[dict]:
                      and not (i and args[i - 1] in own)]
     check_built("gnnlm explain", pipeline_args,
                 [*([] if cfg.base_lm.ckpt else [workdir.model("base_lm")]), workdir.tokens,
-                 workdir.features("train"), workdir.index(cfg.knn.primary, cfg.knn.metric)])
+                 workdir.features("train"),
+                 workdir.neighbors(cfg.knn.primary, cfg.knn.metric, "test")])
     lm = TrainedLM(workdir.root, cfg.name if workdir.report(cfg.name).is_dir() else None)
     found = retrieved_contexts(lm, text, top)
     print(f"Input: {text}")

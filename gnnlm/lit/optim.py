@@ -46,7 +46,10 @@ def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, opti
     for i, (_, group_lr) in enumerate(lr_groups):
         mine = [p for p in params if own_lr.get(id(p)) == i]
         groups += [g for g in decay_groups(mine, weight_decay, lr=group_lr) if g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas)
+    # on CUDA the fused kernel: one launch per step for every parameter (a small model's step
+    # is otherwise dozens of launches); elsewhere torch's default, so CPU runs keep their bits
+    fused = bool(params) and all(p.is_cuda for p in params)
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, fused=fused or None)
     total = max(1, int(module.trainer.estimated_stepping_batches))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, optim.warmup_steps, total, optim.min_lr_ratio))

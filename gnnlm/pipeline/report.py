@@ -83,8 +83,9 @@ def _stage_seconds(results: Results) -> dict:
     timing = {"base_lm": results.base_lm_manifest.get("train_seconds", 0.0),
               "features": sum(m.get("seconds", 0.0) for m in results.features.values())}
     for key, r in results.retrieval.items():
-        timing[f"index[{key}]"] = r.index.get("train_seconds", 0) + r.index.get(
-            "add_seconds", 0)
+        if r.index is not None:
+            timing[f"index[{key}]"] = r.index.get("train_seconds", 0) + r.index.get(
+                "add_seconds", 0)
         timing[f"neighbors[{key}]"] = sum(m.get("search_seconds", 0)
                                           for m in r.neighbors.values())
         timing[f"knn_cache[{key}]"] = sum(m.get("seconds", 0) for m in r.knn_caches.values())
@@ -102,16 +103,17 @@ def _retrieval_facts(r: KeyRetrieval) -> dict:
     (exact search, or the index at their nprobe/re-ranking), the recall the index stage measured
     for exactly that setting against exact search (None: not measured), the neighbour stage's
     speed, the leakage masking."""
-    index, test = r.index, r.neighbors["test"]
+    index, test = r.index or {}, r.neighbors["test"]
     backend = test.get("backend", "index")
-    facts = {"backend": backend, "factory": test.get("factory", index["factory"]),
-             "index_factory": index["factory"], "nprobe": test.get("nprobe"),
-             "rerank": test.get("rerank"), "K": test["K"],
-             "recall": (None if backend == "exact" else
+    facts = {"backend": backend, "factory": test.get("factory", index.get("factory")),
+             "index_factory": index.get("factory"), "index_use": r.index_use,
+             "nprobe": test.get("nprobe"), "rerank": test.get("rerank"), "K": test["K"],
+             "recall": (None if backend == "exact" or not index else
                         measured_recall(index, test.get("nprobe"), test.get("rerank"),
                                         test["K"])),
              "target_recall": index.get("target_recall"),
-             "queries_per_s": test.get("queries_per_s"), "search_settings": index.get("tuning")}
+             "queries_per_s": test.get("queries_per_s"), "search_settings": index.get("tuning"),
+             "screen": test.get("screen")}
     train = r.neighbors.get("train")
     if train is not None:
         facts.update({"masked_fraction": train.get("masked_fraction"),
@@ -119,9 +121,23 @@ def _retrieval_facts(r: KeyRetrieval) -> dict:
     return facts
 
 
+def _screen_clause(screen: Optional[dict]) -> str:
+    """How an exact search of the test queries screened (``gnnlm.retrieval.exact``)."""
+    if not screen:
+        return ""
+    precisions = " and ".join(f"{name} ({screen[name]:,} queries)"
+                              for name in ("float16", "float32") if screen.get(name))
+    return (f", screened in {precisions or 'no precision recorded'}, "
+            f"{screen.get('rescreened', 0):,} screened again in float32 and "
+            f"{screen.get('exhaustive', 0):,} scored against every key")
+
+
 def _retrieval_line(key: str, info: dict) -> str:
     if info["backend"] == "exact":
-        searched = f"exact search, K = {info['K']:,}"
+        searched = f"exact search, K = {info['K']:,}{_screen_clause(info.get('screen'))}; "
+        searched += (f"index {info['index_factory']} built for {info['index_use']}"
+                     if info.get("index_factory") and info.get("index_use")
+                     else "no index (nothing reads one)")
     elif exhaustive_index(info["factory"]):  # every key scored: what it measured is ties
         measured = info["recall"]
         searched = (f"exact neighbours (index {info['factory']}: every key scored), "

@@ -16,11 +16,13 @@ from gnnlm.retrieval.sanity import Sanity
 
 @dataclass
 class KeyRetrieval:
-    """One key type's retrieval stages: the index's manifest, the neighbours' manifests by
-    split (train only for the primary key), the kNN caches' manifests by evaluation split."""
-    index: dict
+    """One key type's retrieval stages: the index's manifest (None when nothing reads an index
+    of this key) and what it is for (``stages.index_use``), the neighbours' manifests by split
+    (train only for the primary key), the kNN caches' manifests by evaluation split."""
+    index: Optional[dict]
     neighbors: dict[str, dict]
     knn_caches: dict[str, dict]
+    index_use: Optional[str] = None
 
 
 @dataclass

@@ -186,19 +186,34 @@ def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdi
                               rebuild=cfg.rebuilds("features"), devices=fc.devices)
 
 
+def index_use(cfg: PipelineConfig, key: str) -> Optional[str]:
+    """What the FAISS index of ``key`` is built for, or None when nothing reads one: the
+    neighbours search it (``neighbors.backend: index``), or the ablations' approximate-search
+    rows read the primary key's (Xu et al.'s FAISS mask and score). Exact neighbours without
+    those rows need no index: none is built (on the GPU table, minutes saved)."""
+    if cfg.neighbors.backend == "index":
+        return "neighbours"
+    if cfg.ablations.enabled and key == cfg.knn.primary:
+        return "ablations (approximate search)"
+    return None
+
+
 def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_window: int
                     ) -> KeyRetrieval:
-    """Index, neighbours, and kNN caches of valid/test for one key type. Train queries (masked
-    for leakage) are searched for the primary key only: the one the heads' graphs and memories
-    read; the other keys serve the kNN-LM comparison."""
+    """Index (where one is read: ``index_use``), neighbours, and kNN caches of valid/test for
+    one key type. Train queries (masked for leakage) are searched for the primary key only:
+    the one the heads' graphs and memories read; the other keys serve the kNN-LM comparison."""
     metric = cfg.knn.metric
     # the index measures its search settings at the depth the neighbours search: K, and K + W
     # + 1 wide for the train queries masked for leakage (``gnnlm.retrieval.neighbors``)
     K = cfg.neighbors.K
     width = K + leakage_window + 1 if key == cfg.knn.primary and leakage_window else K
-    with timed(f"index[{key}]"):
-        index = build_index(workdir, key, metric, cfg.index, rebuild=cfg.rebuilds("index"),
-                            search_k=K, search_width=width)
+    use = index_use(cfg, key)
+    index = None
+    if use is not None:
+        with timed(f"index[{key}]"):
+            index = build_index(workdir, key, metric, cfg.index,
+                                rebuild=cfg.rebuilds("index"), search_k=K, search_width=width)
     with timed(f"neighbors[{key}]"):
         neighbors = {split: build_neighbors(workdir, split, key, metric, cfg.neighbors,
                                             leakage_window=leakage_window,
@@ -208,7 +223,7 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
         caches = {split: build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
                                          rebuild=cfg.rebuilds("knn_cache"))
                   for split in EVAL_SPLITS}
-    return KeyRetrieval(index=index, neighbors=neighbors, knn_caches=caches)
+    return KeyRetrieval(index=index, neighbors=neighbors, knn_caches=caches, index_use=use)
 
 
 def search_label(workdir: Workdir, retrieval: KeyRetrieval) -> dict:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+import torch
 
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.retrieval.search import _as_float32, faiss_metric, normalize_rows, to_gpu
@@ -30,8 +31,9 @@ from gnnlm.retrieval.settings import (  # noqa: F401  (the settings, importable 
     IndexConfig,
     check_metric,
 )
+from gnnlm.retrieval.torch_ivf import add_assigned, train_ivf, trains_on_torch
 from gnnlm.retrieval.tuning import tune
-from gnnlm.utils.devices import faiss_device
+from gnnlm.utils.devices import faiss_device, torch_device
 from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, read_manifest
 from gnnlm.workdir.layout import Workdir
 
@@ -144,7 +146,8 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
     device = faiss_device(config.device)
     with builder:
         path = builder.file(INDEX_FILE)
-        index = _trained_index(builder, path, keys, metric, config, on_gpu=device == "cuda")
+        index = _trained_index(builder, path, keys, metric, config, on_gpu=device == "cuda",
+                               clustering=clustering_of(config, device))
         _add_chunks(builder, index, path, keys, f"index {key}-{metric}", metric, config,
                     on_gpu=device == "cuda", stop_after_chunks=stop_after_chunks)
         if builder.interrupted:
@@ -160,6 +163,7 @@ def build_index(workdir: Workdir, key: str, metric: str, config: IndexConfig | N
             "add_seconds": progress.get("add_seconds", 0.0),
             "base_lm": base_lm, "features": feats_manifest["fingerprint"],
             "index_file": INDEX_FILE, "index_bytes": path.stat().st_size, "device": device,
+            "clustering": progress["clustering"],
             "faiss_version": faiss.__version__})
 
 
@@ -174,8 +178,16 @@ def _train_keys(workdir: Workdir, key: str) -> tuple[dict, np.ndarray]:
     return feats_manifest, keys
 
 
+def clustering_of(config: IndexConfig, faiss_on: str) -> str:
+    """What runs k-means and list assignment (``IndexConfig.clustering``): ``auto`` is torch
+    when torch sees a GPU and faiss (on ``faiss_on``) does not use one."""
+    if config.clustering != "auto":
+        return config.clustering
+    return "torch" if torch.cuda.is_available() and faiss_on != "cuda" else "faiss"
+
+
 def _trained_index(builder: ArtifactBuilder, path: Path, keys: np.ndarray, metric: str,
-                   config: IndexConfig, on_gpu: bool) -> faiss.Index:
+                   config: IndexConfig, on_gpu: bool, clustering: str) -> faiss.Index:
     """The trained index, on the CPU, with the chunks a killed build added: reloaded from the
     ``.partial`` folder when one was saved (never retrained), else trained on a seeded sample of
     ``train_sample`` keys and saved with its factory and training time in the progress."""
@@ -203,7 +215,11 @@ def _trained_index(builder: ArtifactBuilder, path: Path, keys: np.ndarray, metri
     except RuntimeError as err:
         raise ValueError(f"faiss cannot build index factory {factory!r} for d={d} "
                          f"(got error: {str(err).strip().splitlines()[-1]}).") from err
-    if not index.is_trained:
+    if clustering == "torch" and not trains_on_torch(index):
+        clustering = "faiss"  # an index behind a transform (OPQ): faiss trains it whole
+    if not index.is_trained and clustering == "torch":
+        train_ivf(index, sample, torch_device("auto"))
+    elif not index.is_trained:
         trainer = to_gpu(index) if on_gpu else index
         trainer.train(sample)
         index = faiss.index_gpu_to_cpu(trainer) if on_gpu else trainer
@@ -211,7 +227,7 @@ def _trained_index(builder: ArtifactBuilder, path: Path, keys: np.ndarray, metri
     train_seconds = round(time.perf_counter() - t0, 3)
     _write_index(index, path, on_gpu=False)
     builder.save_progress(trained=True, factory=factory, train_seconds=train_seconds,
-                          chunks_done=0)
+                          chunks_done=0, clustering=clustering)
     return index
 
 
@@ -222,12 +238,19 @@ def _add_chunks(builder: ArtifactBuilder, index: faiss.Index, path: Path, keys: 
     the index after each (the resumption point) and the time spent in the progress."""
     n = len(keys)
     progress = builder.progress
+    # as the training ran (a build from before this was recorded: faiss)
+    clustering = progress.setdefault("clustering", "faiss")
+    on_gpu = on_gpu and clustering == "faiss"
     if on_gpu:
         index = to_gpu(index)
     for chunk in builder.chunks(-(-n // config.add_chunk), desc, stop_after_chunks):
         t0 = time.perf_counter()
         start = chunk * config.add_chunk
-        index.add(_read_keys(keys, slice(start, min(start + config.add_chunk, n)), metric))
+        rows = _read_keys(keys, slice(start, min(start + config.add_chunk, n)), metric)
+        if clustering == "torch":
+            add_assigned(index, rows, torch_device("auto"))
+        else:
+            index.add(rows)
         _write_index(index, path, on_gpu)
         progress["add_seconds"] = round(
             progress.get("add_seconds", 0.0) + time.perf_counter() - t0, 3)

@@ -18,8 +18,11 @@ masked position and never has fewer than K neighbours for lack of width. The man
 the unmasked search's top K that leakage removed). Valid/test queries are not masked.
 
 ``backend="exact"`` searches exactly in torch over the stored train keys (Xu et al.'s "real
-mask" ablation); ``"index"`` uses the FAISS index ("FAISS mask"). The build goes in fixed chunks
-of positions with progress after each, so a killed build resumes and ends with the same bytes.
+mask"; ``gnnlm.retrieval.exact``: on CUDA a float16 screening, certified, then float32 scores; the
+manifest's ``screen`` counts the queries screened in each precision and those screened wider or
+scored against every key); ``"index"`` uses the FAISS index ("FAISS mask"). The build goes in
+fixed chunks of positions with progress after each, so a killed build resumes and ends with the
+same bytes.
 ``devices`` > 1 shares the chunks among processes (``gnnlm.workdir.shards``): one per GPU on CUDA,
 each with its own copy of the index on its GPU when faiss has GPU support; the same bytes again,
 and a killed build resumes with any number of processes. ``shard_index`` instead spreads one index
@@ -30,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -86,28 +90,45 @@ def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
     (skips a complete build; resumes a partial one).
 
     ``config.backend`` picks the FAISS index ``workdir.index(key, metric)`` or exact search over
-    the same keys. ``config.devices`` > 1 searches on that many processes (``gnnlm.workdir.ranks``),
-    each writing its query chunks: the same bytes as one process, and the manifest's counts and
-    search seconds summed over them. ``stop_after_chunks`` stops each rank after that many
-    chunks without completing (used to test resumption).
+    the train keys themselves (no index is read). ``config.devices`` > 1 searches on that many
+    processes (``gnnlm.workdir.ranks``), each writing its query chunks: the same bytes as one
+    process, and the manifest's counts and search seconds summed over them.
+    ``stop_after_chunks`` stops each rank after that many chunks without completing (used to
+    test resumption).
     """
     config = config or NeighborsConfig()
-    index_path = workdir.index(key, metric)
-    index_manifest = read_manifest(index_path, kind="index")
     query_manifest, query_arrays = open_features(workdir.features(split))
     train_manifest, _ = open_features(workdir.features("train"))
-    made, asked = index_manifest["base_lm"], query_manifest["base_lm"]
+    check_key(query_manifest, key)
+    check_key(train_manifest, key)
+    inputs = {"features": query_manifest["fingerprint"],
+              "train_features": train_manifest["fingerprint"]}
+    if config.backend == "index":
+        index_path = workdir.index(key, metric)
+        index_manifest = read_manifest(index_path, kind="index")
+        made, holds = index_manifest["base_lm"], f"the index at {index_path}"
+        check_inputs(index_manifest, index_path, {"features": train_manifest["fingerprint"]},
+                     "Neighbour ids would point at other positions: rebuild the index over "
+                     "these train features (--rebuild).")
+        ntotal = int(index_manifest["n"])
+        inputs["index"] = index_manifest["fingerprint"]
+        index_facts = {"factory": index_manifest["factory"],
+                       "recall": index_manifest.get("recall")}
+        search = {"nprobe": int(index_manifest.get("nprobe", 1) if config.nprobe == "auto"
+                                else config.nprobe),
+                  "rerank": float(index_manifest.get("rerank", 0.0) if config.rerank == "auto"
+                                  else config.rerank)}
+    else:  # exact search reads the train keys themselves: no index
+        made, holds = train_manifest["base_lm"], f"the train keys at {workdir.features('train')}"
+        ntotal = int(train_manifest["arrays"][key]["shape"][0])
+        index_facts, search = {"factory": "exact", "recall": None}, {}
+    asked = query_manifest["base_lm"]
     if made["fingerprint"] != asked["fingerprint"]:
         raise ArtifactError(
             f"The {split} features at {workdir.features(split)} come from base LM "
-            f"{asked['name']} (weights {asked['fingerprint']}), but the index at {index_path} "
-            f"holds keys of base LM {made['name']} (weights {made['fingerprint']}): their vectors "
-            f"live in different spaces. Encode {split} with the model that made the index, or "
-            f"rebuild the index.")
-    check_inputs(index_manifest, index_path, {"features": train_manifest["fingerprint"]},
-                 "Neighbour ids would point at other positions: rebuild the index over these "
-                 "train features (--rebuild).")
-    check_key(query_manifest, key)
+            f"{asked['name']} (weights {asked['fingerprint']}), but {holds} are keys of base LM "
+            f"{made['name']} (weights {made['fingerprint']}): their vectors live in different "
+            f"spaces. Encode {split} with the model that made the datastore, or rebuild it.")
     masked = split == "train"
     given = config.leakage_window if config.leakage_window is not None else leakage_window
     if masked and given is None:
@@ -117,24 +138,14 @@ def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
     n = int(query_arrays[key].shape[0])
     if split == "train" and config.train_queries is not None:
         n = min(n, config.train_queries)  # heads train on this prefix; the datastore stays whole
-    ntotal = int(index_manifest["n"])
     if config.K > ntotal:
         raise ValueError(f"neighbors.K must not exceed the datastore size {ntotal} "
                          f"(got {config.K}): lower K or build a larger datastore.")
     width = min(config.K + window + 1, ntotal) if masked and window > 0 else config.K
-    search = {"nprobe": int(index_manifest.get("nprobe", 1) if config.nprobe == "auto"
-                            else config.nprobe),
-              "rerank": float(index_manifest.get("rerank", 0.0) if config.rerank == "auto"
-                              else config.rerank)}
-    if config.backend == "exact":
-        search = {}
     job = NeighborsJob(
         out_dir=workdir.neighbors(key, metric, split), workdir=workdir, split=split, key=key,
         metric=metric, config=config, masked=masked, window=window, n=n, width=width,
-        inputs={"index": index_manifest["fingerprint"], "features": query_manifest["fingerprint"],
-                "train_features": train_manifest["fingerprint"]},
-        index_facts={"factory": index_manifest["factory"], "recall": index_manifest.get("recall")},
-        search=search,
+        inputs=inputs, index_facts=index_facts, search=search,
         base_lm=asked, device=device, rebuild=rebuild, stop_after=stop_after_chunks)
     if job.builder().is_complete():
         return read_manifest(job.out_dir)
@@ -144,6 +155,7 @@ def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
 
 
 COUNTS = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
+SCREEN_COUNTS = ("rescreened", "exhaustive")
 
 
 @dataclass
@@ -198,7 +210,8 @@ class NeighborsJob(ShardedJob):
             device = "cpu"
             faiss.omp_set_num_threads(torch.get_num_threads())  # the cores shared among ranks
         if self.config.backend == "exact":
-            return Searcher.exact(self.workdir, self.key, self.metric, device=device)
+            return Searcher.exact(self.workdir, self.key, self.metric, device=device,
+                                  screen=self.config.screen)
         if self.config.shard_index:
             return shard_over_gpus(Searcher.for_workdir(self.workdir, self.key, self.metric,
                                                         device="cpu", **self.search), self.width)
@@ -215,7 +228,9 @@ class NeighborsJob(ShardedJob):
         searcher = self.searcher(rank)
         queries = open_features(self.workdir.features(self.split))[1][self.key]  # [N, d] fp16
         K, size, batch = self.config.K, self.config.chunk, self.config.batch_size
+        exact = searcher.exact_search
         for chunk, stats in chunks:
+            before = dict(exact.stats) if exact is not None else {}
             stop = min((chunk + 1) * size, self.n)
             for start in range(chunk * size, stop, batch):
                 end = min(start + batch, stop)
@@ -230,11 +245,15 @@ class NeighborsJob(ShardedJob):
                     sims, ids = sims[:, :K], ids[:, :K]
                 arrays["ids"][start:end] = ids
                 arrays["sims"][start:end] = sims
+            if exact is not None:  # queries screened in each precision; again; exhaustive
+                for name in SCREEN_COUNTS:
+                    stats[f"screen_{name}"] = exact.stats[name] - before[name]
+                stats[f"screen_{exact.screen}"] = exact.stats["queries"] - before["queries"]
 
     def extra(self, rank: Rank, done: dict[int, dict], wall_seconds: float) -> dict:
         summed = totals(done)
         seconds = float(summed.get("seconds", 0.0))
-        stats = {}
+        stats: dict[str, Any] = {}
         if self.masked:
             counts = {name: int(summed.get(name, 0)) for name in COUNTS}
             stats = {**counts,
@@ -242,6 +261,10 @@ class NeighborsJob(ShardedJob):
                      "masked_fraction_top_k": (counts["dropped_top_k"]
                                                / max(counts["retrieved_top_k"], 1))}
         index_backend = self.config.backend == "index"
+        if not index_backend:  # how the exact search went: queries screened in each
+            # precision, and those it screened wider or scored against every key
+            stats["screen"] = {name: int(summed.get(f"screen_{name}", 0))
+                               for name in ("float16", "float32", *SCREEN_COUNTS)}
         return {
             "split": self.split, "n": self.n, "K": self.config.K, "key": self.key,
             "metric": self.metric, "backend": self.config.backend,

@@ -29,17 +29,16 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from gnnlm.retrieval.exact import ExactSearch
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.retrieval.settings import METRICS, check_metric  # noqa: F401  (importable from here)
 from gnnlm.utils.devices import faiss_device, torch_device
 from gnnlm.workdir.artifacts import read_manifest
 from gnnlm.workdir.layout import Workdir
 
-# Queries scored together by one matrix product, at least: below about 8 rows the CPU kernel
-# sums in another order, and a query's similarities would depend on how many were searched with
-# it (generation searches one at a time, scoring thousands). faiss does the same below its
-# BLAS threshold, so exhaustive faiss indexes are searched with at least that many.
-MIN_ROWS = 32
+# Below its BLAS threshold faiss sums in another order, and a query's similarities would depend
+# on how many were searched with it (generation searches one at a time, scoring thousands): an
+# exhaustive faiss index is searched with at least this many rows (exact search: ``exact.ROWS``).
 FAISS_BLAS_ROWS = 20
 # faiss factories searched exhaustively (every key scored): their neighbours are the exact ones.
 _EXHAUSTIVE = re.compile(r"(IDMap2?,)?Flat")
@@ -92,69 +91,17 @@ def _float_tensor(x: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _key_block(keys: Any, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    if isinstance(keys, torch.Tensor):
-        return keys[start:stop].to(device=device, dtype=torch.float32)
-    return torch.from_numpy(_as_float32(keys[start:stop])).to(device)
-
-
-@torch.no_grad()
 def exact_search(keys: Any, queries: Any, k: int, metric: str, device: str | torch.device = "cpu",
-                 chunk: int = 65536) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k of ``queries`` [n, d] among ``keys`` [N, d]: ``(sims float32, ids int64)``.
+                 chunk: int = 65536, screen: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k of ``queries`` [n, d] among ``keys`` [N, d]: ``(sims float32, ids int64)``,
+    best first, ties to the lower id (``gnnlm.retrieval.exact``).
 
     Keys may be a float16 memmap or a torch tensor; they are converted to float32 one chunk at a
-    time (keys are read once; every query is scored against each chunk). Rows with fewer than k
-    candidate keys end in id -1 / sim -inf. Similarities follow the module's convention (higher
-    is better).
+    time. Rows with fewer than k candidate keys end in id -1 / sim -inf. Similarities follow the
+    module's convention (higher is better). ``screen`` picks the screening product's precision,
+    which changes the time, never the result.
     """
-    check_metric(metric)
-    if k < 1:
-        raise ValueError(f"k must be >= 1 (got {k}).")
-    device = torch_device(device)
-    n_keys = int(keys.shape[0])
-    if isinstance(queries, torch.Tensor):
-        q = queries.detach().to(device=device, dtype=torch.float32)
-    else:
-        q = torch.from_numpy(_as_float32(queries)).to(device)
-    if q.ndim != 2 or q.shape[1] != keys.shape[1]:
-        raise ValueError(f"queries must be [n, {keys.shape[1]}] like the keys "
-                         f"(got {tuple(q.shape)}).")
-    if metric == "cos":
-        q = F.normalize(q, dim=1, eps=1e-12)
-    n = q.shape[0]
-    # Scores go to one reused [rows, chunk] buffer of ~2^24 floats (64 MB): allocating (and
-    # first-touching) a fresh block per step cost ~30% of the time on CPU.
-    width = max(1, min(chunk, n_keys))
-    rows = max(MIN_ROWS, min(n, (1 << 24) // width))
-    short = n % rows
-    if 0 < short < MIN_ROWS:  # zero queries, cut below: no block of fewer than MIN_ROWS
-        q = torch.cat([q, q.new_zeros(MIN_ROWS - short, q.shape[1])])
-    buffer = torch.empty(rows * width, device=device)
-    best_s = torch.full((q.shape[0], k), -math.inf, device=device)  # [n, k]
-    best_i = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=device)
-    q_sq = (q * q).sum(1) if metric == "l2" else None                # [n]
-    for start in range(0, n_keys, chunk):
-        kc = _key_block(keys, start, min(start + chunk, n_keys), device)  # [c, d]
-        c = kc.shape[0]
-        if metric == "cos":
-            kc = F.normalize(kc, dim=1, eps=1e-12)
-        k_sq = (kc * kc).sum(1) if metric == "l2" else None           # [c]
-        kk = min(k, c)
-        for r0 in range(0, q.shape[0], rows):
-            r1 = min(r0 + rows, q.shape[0])
-            s = buffer[:(r1 - r0) * c].view(r1 - r0, c)
-            torch.mm(q[r0:r1], kc.T, out=s)                            # [r, c]
-            if q_sq is not None and k_sq is not None:  # l2
-                # -|q - k|^2, clamped: rounding must not make a distance negative.
-                s.mul_(2).sub_(q_sq[r0:r1, None]).sub_(k_sq[None]).clamp_(max=0.0)
-            top_s, top_i = s.topk(kk, dim=1)                           # [r, kk]
-            merged_s = torch.cat([best_s[r0:r1], top_s], dim=1)        # [r, k + kk]
-            merged_i = torch.cat([best_i[r0:r1], top_i + start], dim=1)
-            best_s[r0:r1], pos = merged_s.topk(k, dim=1)
-            best_i[r0:r1] = merged_i.gather(1, pos)
-    best_i[torch.isneginf(best_s)] = -1
-    return best_s[:n].cpu().numpy(), best_i[:n].cpu().numpy()
+    return ExactSearch(keys, metric, device, screen=screen, chunk=chunk).search(queries, k)
 
 
 def recall_at(approx_ids: np.ndarray, exact_ids: np.ndarray, k: int) -> float:
@@ -194,6 +141,7 @@ class Searcher:
         self._rerank_keys: Optional[RerankKeys] = None   # what re-ranking reads, made once
         self.keys_in_ram: Optional[bool] = None  # re-ranking keys in RAM (None: when they fit)
         self._cpu_index: Any = None   # set when ``index`` is on a GPU: for wider searches
+        self.exact_search: Optional[ExactSearch] = None   # the exact backend, made once
         self._warned_cpu = False
         self.backend = "faiss" if index is not None else "exact"
 
@@ -246,25 +194,21 @@ class Searcher:
 
     @classmethod
     def exact(cls, workdir: Workdir, key: str = "final", metric: str = "cos",
-              device: str = "auto", chunk: int = 65536) -> Searcher:
-        """Exact search in torch over the stored train keys (the exact-neighbours ablation).
-
-        On CUDA the float16 keys are copied to the GPU once when they fit in half the free
-        memory; otherwise they stream from the memmap chunk by chunk.
-        """
+              device: str = "auto", chunk: int = 65536, screen: str = "auto") -> Searcher:
+        """Exact search in torch over the stored train keys (``gnnlm.retrieval.exact``: on CUDA
+        the keys are resident on the GPU when they fit, and screened in float16)."""
         check_metric(metric)
         manifest, arrays = open_features(workdir.features("train"))
         check_key(manifest, key)
         keys = arrays[key]
-        on = torch_device(device)
-        if on.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(on)
-            if keys.nbytes < free // 2:
-                keys = torch.from_numpy(np.ascontiguousarray(keys)).to(on)
-        return cls(metric=metric, key=key, ntotal=keys.shape[0], d=keys.shape[1], keys=keys,
-                   device=str(on), chunk=chunk,
-                   manifest={"base_lm": manifest["base_lm"], "features": manifest["fingerprint"],
-                             "key": key, "metric": metric, "factory": "exact"})
+        searcher = cls(metric=metric, key=key, ntotal=keys.shape[0], d=keys.shape[1], keys=keys,
+                       device=str(torch_device(device)), chunk=chunk,
+                       manifest={"base_lm": manifest["base_lm"],
+                                 "features": manifest["fingerprint"], "key": key,
+                                 "metric": metric, "factory": "exact"})
+        searcher.exact_search = ExactSearch(keys, metric, searcher.device, screen=screen,
+                                            chunk=chunk)
+        return searcher
 
     def check(self, queries: Any, k: int) -> None:
         shape = tuple(queries.shape)
@@ -280,7 +224,10 @@ class Searcher:
     def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         self.check(queries, k)
         if self.index is None:
-            return exact_search(self.keys, queries, k, self.metric, self.device, self.chunk)
+            if self.exact_search is None:
+                self.exact_search = ExactSearch(self.keys, self.metric, self.device,
+                                                chunk=self.chunk)
+            return self.exact_search.search(queries, k)
         if self.metric == "cos":  # a copy: never normalise the caller's array in place
             q = normalize_rows(np.array(queries, dtype=np.float32, copy=True, order="C"))
         else:

@@ -98,6 +98,10 @@ class IndexConfig:
         exact_below: ``auto`` builds an exact ``Flat`` index below this many keys.
         device: where faiss trains and adds (``auto``: the GPU when faiss has one); the index
             written is a CPU index either way.
+        clustering: what runs an IVF index's k-means and assigns keys to its lists: ``faiss``
+            (on ``device``), ``torch`` (k-means in torch on torch's device, faiss the rest:
+            ``gnnlm.retrieval.torch_ivf``), ``auto`` (torch when torch sees a GPU and faiss
+            does not). Not part of the fingerprint, as the device is not.
         recall_queries: held-out queries the search settings are measured on (0 skips the
             measurement).
     """
@@ -110,6 +114,7 @@ class IndexConfig:
     exact_below: int = 300_000
     device: Literal["auto", "cpu", "cuda"] = "auto"
     recall_queries: int = 1000
+    clustering: Literal["auto", "faiss", "torch"] = "auto"
 
     def __post_init__(self):
         if not isinstance(self.factory, str) or not self.factory:
@@ -125,6 +130,9 @@ class IndexConfig:
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"index.{name} must be >= 0 (got {getattr(self, name)}).")
         check_device(self.device)
+        if self.clustering not in ("auto", "faiss", "torch"):
+            raise ValueError(f"index.clustering must be 'auto', 'faiss' or 'torch' "
+                             f"(got {self.clustering!r}).")
         self.check_factory()
 
     def check_factory(self, d: int | None = None, metric: str | None = None) -> None:
@@ -171,7 +179,7 @@ class IndexConfig:
         # The device does not define the artifact (an index built on GPU is used on CPU); the
         # search settings and their measurement are recorded in the manifest, not the bytes.
         cfg = asdict(self)
-        for name in ("device", "recall_queries", "target_recall"):
+        for name in ("device", "recall_queries", "target_recall", "clustering"):
             cfg.pop(name)
         return cfg
 
@@ -203,6 +211,8 @@ class NeighborsConfig:
             its target recall).
         rerank: candidates per neighbour re-ranked by their exact similarity (0: the index's own
             scores; ``auto``: as measured by the index stage).
+        screen: the precision of the exact backend's screening product (``auto``: float16 on
+            CUDA, float32 on the CPU; ``gnnlm.retrieval.exact``): the time, never the result.
     """
     K: int = 1024
     leakage_window: int | None = None
@@ -214,6 +224,7 @@ class NeighborsConfig:
     shard_index: bool = False
     nprobe: Union[int, Literal["auto"]] = "auto"
     rerank: Union[float, Literal["auto"]] = "auto"
+    screen: Literal["auto", "float16", "float32"] = "auto"
 
     def __post_init__(self):
         for name in ("K", "batch_size", "chunk"):
@@ -229,6 +240,9 @@ class NeighborsConfig:
             raise ValueError(f"neighbors.backend must be 'index' or 'exact' "
                              f"(got {self.backend!r}).")
         check_devices(self.devices, "neighbors.devices")
+        if self.screen not in ("auto", "float16", "float32"):
+            raise ValueError(f"neighbors.screen must be 'auto', 'float16' or 'float32' "
+                             f"(got {self.screen!r}).")
         if self.nprobe != "auto" and int(self.nprobe) < 1:
             raise ValueError(f"neighbors.nprobe must be >= 1 or 'auto' (got {self.nprobe}).")
         if self.rerank != "auto" and not (float(self.rerank) == 0 or float(self.rerank) >= 1):
@@ -241,8 +255,9 @@ class NeighborsConfig:
                              f"backend={self.backend!r}, devices={self.devices!r}).")
 
     def fingerprint_config(self) -> dict:
-        """The fields that define the neighbours (how many processes searched them does not)."""
+        """The fields that define the neighbours (how many processes searched them, or in what
+        precision exact search screened, does not)."""
         cfg = asdict(self)
-        for name in ("devices", "shard_index", "nprobe", "rerank"):  # resolved ones: `search`
+        for name in ("devices", "shard_index", "nprobe", "rerank", "screen"):  # `search`
             cfg.pop(name)
         return cfg

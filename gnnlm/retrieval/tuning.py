@@ -59,7 +59,8 @@ def tune(index: Any, keys: Any, queries: np.ndarray, key: str, metric: str,
     depth = min(max(k, search_k or 0), n)
     at = (10, 100) if search_k is None else (10, 100, search_k)
     width = min(search_width or search_k or depth, n)
-    _, exact_ids = exact_search(keys, queries, min(max(depth, 100), n), metric)
+    # the truth by exact search on torch's device (a GPU's: seconds for the whole table)
+    _, exact_ids = exact_search(keys, queries, min(max(depth, 100), n), metric, device="auto")
     # one searcher for every setting: it prepares the keys re-ranking reads once, as the
     # neighbours stage's searcher does for all its queries
     searcher = Searcher(metric=metric, key=key, ntotal=n, d=index.d, index=index, keys=keys)

@@ -86,6 +86,14 @@ def torch_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
+def pin_memory() -> bool:
+    """Whether DataLoaders pin their batches: when torch sees a CUDA GPU to copy them to (the
+    copies then overlap the step); a CPU run copies nothing."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def faiss_has_gpu() -> bool:
     import faiss
 

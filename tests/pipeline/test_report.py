@@ -218,8 +218,30 @@ def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used(
     exact = line(backend="exact", factory="exact", nprobe=None, rerank=None)
     assert "exact search, K = 128" in exact and "recall" not in exact
     assert "masked for leakage (W = 128): 0.005" in exact
+    assert "index IVF4096,SQ8 built for ablations (approximate search)" in _retrieval_line(
+        "final", _retrieval_facts(KeyRetrieval(index, {"test": {"K": 8, "backend": "exact"}},
+                                               {}, "ablations (approximate search)")))
+    screened = {"K": 8, "backend": "exact",
+                "screen": {"float16": 900, "float32": 0, "rescreened": 12, "exhaustive": 1}}
+    alone = _retrieval_line("final", _retrieval_facts(KeyRetrieval(None, {"test": screened}, {})))
+    assert ("exact search, K = 8, screened in float16 (900 queries), 12 screened again in "
+            "float32 and 1 scored against every key; no index (nothing reads one)") in alone
     train.update(leakage_window=None, masked_fraction=None)
     assert "not masked for leakage" in line(backend="exact", factory="exact")
+
+
+def test_an_index_is_built_only_for_what_reads_it(in_repo):
+    """Exact neighbours read no index; the ablations' approximate rows read the primary key's."""
+    from gnnlm.pipeline.config import load_config
+    from gnnlm.pipeline.stages import index_use
+
+    gpu = ["-c", "configs/wikitext2/pipeline.yaml"]
+    assert [index_use(load_config(gpu), key) for key in ("final", "att")] == [None, None]
+    analysis = load_config([*gpu, "-c", "configs/wikitext2/analysis.yaml"])
+    assert [index_use(analysis, key) for key in ("final", "att")] == [
+        "ablations (approximate search)", None]
+    demo = load_config([*gpu, "-c", "configs/wikitext2/pipeline_cpu.yaml"])
+    assert index_use(demo, "final") == "neighbours"
 
 
 SIZES = {"train": 60, "valid": 30, "test": 40}

@@ -90,6 +90,40 @@ def test_auto_index_reaches_the_target_recall_on_clustered_set(clustered_feature
     assert recall_at(one.search(queries, 10)[1], exact, 10) < recall_at(approx, exact, 10)
 
 
+@pytest.mark.parametrize("factory", ["IVF512,PQ16x8np", "IVF512,SQ8"])
+def test_torch_clustering_reaches_the_recall_faiss_training_reaches(clustered_features, tmp_path,
+                                                                    factory):
+    """An IVF index whose k-means and list assignment ran in torch (a GPU's path without
+    faiss-gpu, here on the CPU) is an ordinary faiss index that finds what faiss's own does."""
+    wd, x = clustered_features
+    built = {}
+    for clustering in ("faiss", "torch"):
+        copy = Workdir(tmp_path / clustering)
+        copy.root.mkdir()
+        (copy.root / "features").symlink_to(wd.root / "features")
+        cfg = IndexConfig(factory=factory, recall_queries=300, target_recall=0.9,
+                          clustering=clustering)
+        built[clustering] = build_index(copy, "final", "cos", cfg)
+        assert built[clustering]["clustering"] == clustering
+        ivf = faiss.extract_index_ivf(faiss.read_index(str(copy.index("final", "cos")
+                                                           / "index.faiss")))
+        assert ivf.ntotal == 20000 and ivf.invlists.imbalance_factor() < 3  # lists balanced
+    for setting in ({"nprobe": 8, "rerank": 0.0}, {"nprobe": 16, "rerank": 2.0}):
+        recall = {how: measured_recall(m, setting["nprobe"], setting["rerank"], None)[
+            "recall@10"] for how, m in built.items()}
+        assert recall["torch"] >= recall["faiss"] - 0.03, (setting, recall)
+    assert built["torch"]["recall"]["10"] >= 0.9
+    assert built["torch"]["fingerprint"] == built["faiss"]["fingerprint"]  # how, not what
+
+
+def test_an_index_behind_a_transform_is_trained_by_faiss(tmp_path):
+    x = clustered(n=3000, d=32)
+    wd = train_features(tmp_path, x)
+    manifest = build_index(wd, "final", "l2", IndexConfig(factory="OPQ8,IVF16,PQ8x8np",
+                                                          recall_queries=32, clustering="torch"))
+    assert manifest["clustering"] == "faiss"
+
+
 def test_reranking_returns_exact_scores_in_exact_order(clustered_features):
     wd, x = clustered_features
     build_index(wd, "final", "l2", IndexConfig(factory="IVF64,PQ8x8np", recall_queries=50))

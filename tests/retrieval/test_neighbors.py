@@ -13,6 +13,7 @@ from gnnlm.retrieval.neighbors import (
     neighbor_values,
     open_neighbors,
 )
+from gnnlm.retrieval.search import exact_search
 from gnnlm.workdir.artifacts import ArtifactError
 from gnnlm.workdir.layout import Workdir
 from tests import fakes
@@ -173,6 +174,22 @@ def test_exact_backend_equals_exact_search(store, tmp_path, split):
     np.testing.assert_allclose(sims, ref_sims, rtol=1e-5, atol=5e-3)
     swapped = ids != ref_ids
     assert np.all(np.abs(sims[swapped] - ref_sims[swapped]) < 5e-3)
+
+
+def test_the_exact_backend_reads_no_index(store, tmp_path):
+    wd, train, valid = store
+    alone = Workdir(tmp_path)
+    (tmp_path / "features").symlink_to(wd.root / "features")       # features, and no index
+    manifest = build_neighbors(alone, "valid", "final", "cos",
+                               NeighborsConfig(K=9, backend="exact"), device="cpu")
+    assert set(manifest["inputs"]) == {"features", "train_features"}
+    assert manifest["screen"] == {"float16": 0, "float32": len(valid), "rescreened": 0,
+                                  "exhaustive": 0}
+    sims, ids = exact_search(train.astype(np.float16), valid.astype(np.float16), 9, "cos")
+    _, arrays = open_neighbors(alone.neighbors("final", "cos", "valid"))
+    assert np.array_equal(arrays["ids"], ids) and np.array_equal(arrays["sims"], sims)
+    with pytest.raises(ArtifactError, match="No complete index"):       # the index backend
+        build_neighbors(alone, "valid", "final", "cos", NeighborsConfig(K=9), device="cpu")
 
 
 def test_refuses_other_base_lm_and_bad_k(store, tmp_path):

@@ -1,0 +1,193 @@
+"""Exact search (gnnlm/retrieval/exact.py): a float16 or float32 screening, certified, returns
+the definition's neighbours and scores bit for bit: on near-ties, exact ties and WikiText-2
+features, with the leakage mask."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gnnlm.retrieval.exact import ExactSearch, half_products_accumulate_in_float32
+from gnnlm.retrieval.features import open_features
+from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
+from gnnlm.retrieval.search import Searcher
+from gnnlm.workdir.artifacts import read_manifest
+from gnnlm.workdir.layout import Workdir
+
+METRICS = ("cos", "ip", "l2")
+
+
+def crowded_keys(seed=0, n=6000, d=48, nq=200):
+    """Clustered float16 keys with exact duplicates and near-duplicates one float16 step apart
+    in one component: neighbours whose scores tie, or differ by less than float16 can tell."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((12, d)) * 2
+    keys = (centres[rng.integers(0, 12, n)] + 0.3 * rng.standard_normal((n, d))).astype(
+        np.float16)
+    keys[100:140] = keys[40]                                        # 41 equal keys
+    near = keys[200:260].copy()
+    near[:, 3] = np.nextafter(near[:, 3], np.float16(np.inf))       # one step apart
+    keys[260:320] = near
+    queries = (keys[rng.integers(0, n, nq)].astype(np.float32)
+               + 0.05 * rng.standard_normal((nq, d)).astype(np.float32))
+    queries[:10] = keys[40]                                         # queries at the ties
+    queries[10:20] = keys[200:210]
+    return keys, queries
+
+
+def definition(keys, queries, k, metric):
+    """Every key scored by the exact scores' own arithmetic, ties to the lower id."""
+    search = ExactSearch(keys, metric, screen="float32", chunk=1000)
+    s, i = search._exhaustive(search._queries(queries), k)
+    return s.numpy(), i.numpy()
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_both_screenings_return_the_definition_bit_for_bit(metric):
+    keys, queries = crowded_keys()
+    want_s, want_i = definition(keys, queries, 64, metric)
+    for screen in ("float16", "float32"):
+        search = ExactSearch(keys, metric, screen=screen, chunk=1000)  # several key chunks
+        sims, ids = search.search(queries, 64)
+        assert np.array_equal(sims, want_s) and np.array_equal(ids, want_i), screen
+    # and the definition is the similarity: float64 scores within float32 rounding (of the
+    # squared norms, for l2's expansion)
+    k64, q64 = keys.astype(np.float64), queries.astype(np.float64)
+    if metric == "cos":
+        k64 /= np.linalg.norm(k64, axis=1, keepdims=True)
+        q64 /= np.linalg.norm(q64, axis=1, keepdims=True)
+    every = (-((q64[:, None] - k64[None]) ** 2).sum(-1) if metric == "l2" else q64 @ k64.T)
+    tol = 1e-5 * ((q64 ** 2).sum(1).max() + (k64 ** 2).sum(1).max())
+    assert np.allclose(want_s, np.take_along_axis(every, want_i, axis=1), rtol=0, atol=tol)
+    assert np.allclose(want_s, -np.sort(-every, axis=1)[:, :64], rtol=0, atol=tol)
+
+
+def test_ties_go_to_the_lower_train_position_whatever_the_batch():
+    keys, queries = crowded_keys()
+    search = ExactSearch(keys, "cos", screen="float16")
+    sims, ids = search.search(queries[:10], 20)                    # 41 keys tie at the top
+    assert (sims == sims[:, :1]).all()
+    assert (ids == np.r_[40, 100:119]).all()
+    one_s, one_i = search.search(queries[:1], 20)                   # one query alone
+    assert np.array_equal(one_s, sims[:1]) and np.array_equal(one_i, ids[:1])
+
+
+def test_the_screening_error_bound_holds_for_every_pair():
+    keys, queries = crowded_keys(seed=3)
+    for metric in ("cos", "ip"):
+        search = ExactSearch(keys, metric, screen="float16")
+        q = search._queries(queries)
+        q16, eps, scale = search._screening_queries(q, "float16")
+        screened = torch.mm(q16, search._table.T).double() / scale   # [n, N]
+        exact = torch.cat([search.pair_scores(q[r:r + 32], search._range(0, len(keys)))
+                           for r in range(0, len(q), 32)]).double()
+        gap = (screened - exact).abs().max(dim=1).values
+        assert (gap <= eps).all(), metric
+        assert (gap > 0).any()        # the screening does round: the bound is what matters
+
+
+def test_rows_float16_cannot_settle_are_screened_in_float32_then_against_every_key():
+    keys, queries = crowded_keys()
+    keys[1000:2000] = keys[40]                                      # 1,041 keys tie with key 40
+    search = ExactSearch(keys, "cos", screen="float16")
+    sims, ids = search.search(queries[:10], 30, margin=0)           # 30, then 94: all ties
+    assert search.stats == {"queries": 10, "rescreened": 10, "exhaustive": 10}
+    want_s, want_i = definition(keys, queries[:10], 30, "cos")
+    assert np.array_equal(sims, want_s) and np.array_equal(ids, want_i)
+    assert (ids == np.r_[40, 100:129]).all()
+    untied = ExactSearch(crowded_keys()[0], "cos", screen="float16")
+    untied.search(queries[20:], 30)                                 # the default margin
+    assert untied.stats["exhaustive"] == 0
+
+
+def test_k_beyond_the_datastore_pads_with_minus_one():
+    keys, queries = crowded_keys()
+    keys, queries = keys[:50], queries[20:]
+    sims, ids = ExactSearch(keys, "cos", screen="float16").search(queries[:4], 60)
+    assert (ids[:, 50:] == -1).all() and np.isneginf(sims[:, 50:]).all()
+    assert sorted(ids[0, :50]) == list(range(50))
+
+
+def test_half_products_summed_in_half_precision_are_caught_and_screened_in_float32(
+        monkeypatch, capsys):
+    real_mm = torch.mm
+
+    def summed_in_float16(a, b, **kwargs):
+        if a.dtype != torch.float16:
+            return real_mm(a, b, **kwargs)
+        parts = (a[:, None, :].float() * b.T[None].float()).half()   # [n, m, d]
+        while parts.shape[-1] > 1:                                   # a pairwise float16 sum
+            parts = (parts[..., 0::2].float() + parts[..., 1::2].float()).half()
+        return parts[..., 0]
+
+    assert half_products_accumulate_in_float32(torch.device("cpu"), 64)
+    monkeypatch.setattr(torch, "mm", summed_in_float16)
+    assert not half_products_accumulate_in_float32(torch.device("cpu"), 64)
+    keys = crowded_keys()[0][:300]
+    assert ExactSearch(keys, "cos", screen="float16").screen == "float32"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "screening in float32" in err[0]
+
+
+def test_keys_too_large_for_the_gpu_stream_from_the_host_with_one_line(monkeypatch, capsys):
+    keys = crowded_keys()[0][:300]
+    search = ExactSearch(keys, "cos", screen="float16")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40_000, 80 << 30))
+    assert search._to_gpu(keys) is keys and search.screen == "float32"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stream from the host" in err[0] and "0.0 GiB" in err[0]
+
+
+def test_a_screening_precision_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="neighbors.screen must be"):
+        NeighborsConfig(screen="bfloat16")
+    with pytest.raises(ValueError, match="screen must be one of"):
+        ExactSearch(np.zeros((4, 8), np.float16), "cos", screen="half")
+    assert "screen" not in NeighborsConfig(screen="float16").fingerprint_config()
+
+
+# -- on WikiText-2 features -------------------------------------------------------------------
+def _linked_workdir(source: Workdir, folder) -> Workdir:
+    """A work directory that reads ``source``'s features and index and writes its own
+    neighbours."""
+    wd = Workdir(folder)
+    wd.root.mkdir(parents=True, exist_ok=True)
+    for name in ("features", "index"):
+        (wd.root / name).symlink_to(source.root / name)
+    return wd
+
+
+@pytest.mark.integration
+def test_float16_screening_gives_the_float32_neighbours_of_wikitext2_with_the_leakage_mask(
+        workdir, tmp_path):
+    source = Workdir(workdir)
+    context = int(read_manifest(source.features("train"))["config"]["context"])
+    built = {}
+    for screen in ("float16", "float32"):
+        wd = _linked_workdir(source, tmp_path / screen)
+        config = NeighborsConfig(K=64, backend="exact", train_queries=3000, chunk=1024,
+                                 batch_size=512, screen=screen)
+        manifest = build_neighbors(wd, "train", "final", "cos", config, leakage_window=context,
+                                   device="cpu")
+        assert manifest["screen"][screen] == 3000 and manifest["masked_fraction"] > 0
+        built[screen] = open_neighbors(wd.neighbors("final", "cos", "train"))[1]
+    for name in ("ids", "sims"):
+        assert np.array_equal(built["float16"][name], built["float32"][name]), name
+    ids = np.asarray(built["float16"]["ids"])
+    t = np.arange(len(ids))[:, None]
+    assert not ((ids >= t) & (ids <= t + context)).any()           # the mask held
+
+    # valid queries: the same as every key scored, and near-ties the float16 screening cannot
+    # tell apart are among them
+    keys = open_features(source.features("train"))[1]["final"]
+    queries = np.asarray(open_features(source.features("valid"))[1]["final"][:512])
+    fast = ExactSearch(keys, "cos", screen="float16")
+    sims, ids = fast.search(queries, 64)
+    want_s, want_i = definition(keys, queries[:96], 64, "cos")
+    assert np.array_equal(sims[:96], want_s) and np.array_equal(ids[:96], want_i)
+    slow_s, slow_i = Searcher.exact(source, "final", "cos", device="cpu",
+                                    screen="float32").search(queries, 64)
+    assert np.array_equal(sims, slow_s) and np.array_equal(ids, slow_i)
+    eps = fast._screening_queries(fast._queries(queries), "float16")[1].numpy()
+    gaps = -np.diff(sims, axis=1)
+    assert (gaps < eps[:, None]).mean() > 0.5   # most neighbours sit closer than float16 sees
