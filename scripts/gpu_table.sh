@@ -12,6 +12,8 @@
 #   5. leaves in OUTDIR: results.json (every row, the device and versions, each stage's build
 #      time), results.md, stage_times.json (this run's wall time of every stage), the plots,
 #      test_logprobs.npz, environment.txt and pipeline.log (what the console showed).
+# GNNLM_TABLE_SECONDS=N stops the run after N seconds (SIGTERM): what finished is kept, and
+# stage_times.json says where it stopped (scripts/gpu_check.sh sets it).
 # A run stopped part-way resumes where it stopped when run again (each stage's artifact is
 # complete or is built again; a killed training run restarts from its last checkpoint).
 #
@@ -24,36 +26,17 @@
 set -euo pipefail
 SECONDS=0
 
-die() { echo "gpu_table.sh: $*" >&2; exit 2; }
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
-    die "usage: scripts/gpu_table.sh OUTDIR [-c OVERLAY ...] [--section.field=value ...]"
+    echo "gpu_table.sh: usage: scripts/gpu_table.sh OUTDIR [-c OVERLAY ...] [--section.field=value ...]" >&2
+    exit 2
 fi
 out=$1
 shift
-[ -f configs/wikitext2/pipeline.yaml ] ||
-    die "configs/wikitext2/pipeline.yaml not found here: run from the repository root."
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-python=${PYTHON:-python3}
-
-# 1. carried wheels in a folder of their own (never the image's site-packages), first on the path
-wheels=${GNNLM_WHEELS:-$repo/.whl}
-site=${GNNLM_SITE:-${TMPDIR:-/tmp}/gnnlm-site}
-shopt -s nullglob
-carried=("$wheels"/*.whl)
-shopt -u nullglob
-if [ ${#carried[@]} -gt 0 ]; then
-    "$python" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
-        --upgrade --target "$site" "${carried[@]}"
-    echo "gpu_table.sh: installed ${#carried[@]} wheels from $wheels into $site"
-fi
-export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}"
-
-# 2. the corpus, from disk: a machine without network cannot download it
-if [ -z "${GNNLM_DATA:-}" ] && [ -d "$repo/.data/wikitext-2" ]; then
-    export GNNLM_DATA=$repo/.data
-fi
-[ -n "${GNNLM_DATA:-}" ] && [ -f "$GNNLM_DATA/wikitext-2/train.txt" ] ||
-    die "WikiText-2 not found: set GNNLM_DATA to the folder holding wikitext-2/train.txt (or copy it into $repo/.data/, as make gpu-carry does)."
+[ -f configs/wikitext2/pipeline.yaml ] || {
+    echo "gpu_table.sh: configs/wikitext2/pipeline.yaml not found here: run from the repository root." >&2
+    exit 2; }
+# 1-2. carried wheels in a folder of their own, first on the path; the corpus from disk
+source "$(dirname "${BASH_SOURCE[0]}")/carried.sh"
 
 # 3. what this machine has: every package a stage imports, checked before the first stage
 mkdir -p "$out"
@@ -61,10 +44,12 @@ mkdir -p "$out"
     --require torch,torch_geometric,pytorch_lightning,faiss,jsonargparse,docstring_parser,typeshed_client,transformers,tokenizers,matplotlib,yaml \
     | tee "$out/environment.txt"
 
-# 4. every stage, offline; the console's lines are kept in the log
-export PYTHONUNBUFFERED=1 WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
-export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}  # faster large CPU allocations
-"$python" -m gnnlm.cli pipeline -c configs/wikitext2/pipeline.yaml "$@" \
+# 4. every stage, offline; the console's lines are kept in the log. With GNNLM_TABLE_SECONDS
+# the run is told to stop (SIGTERM) after that many seconds: it stops at once, keeps every
+# finished artifact and chunk, and still leaves stage_times.json (what it reached) in OUTDIR.
+limit=()
+[ -n "${GNNLM_TABLE_SECONDS:-}" ] && limit=(timeout -s TERM -k 30 "$GNNLM_TABLE_SECONDS")
+"${limit[@]}" "$python" -m gnnlm.cli pipeline -c configs/wikitext2/pipeline.yaml "$@" \
     --copy_report_to "$out" 2>&1 | tee "$out/pipeline.log"
 
 echo "gpu_table.sh: the table and its records are in $out ($SECONDS s in all)"

@@ -414,17 +414,22 @@ def _seconds(max_time: str) -> int:
     return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
-def test_the_gpu_budget_is_the_configs_time_limits_and_fits_ten_minutes():
+def test_the_gpu_budget_is_the_configs_time_limits_and_fits_the_check_s_limit():
     """The README's budget of the GPU table: each `max_time` row is its config's limit (times
     the rows that share it), every trained part of pipeline.yaml has a limit in the table, and
-    the parts add up to the total, which is under the 600 s of one command."""
+    the parts add up to the total, which is the table's limit in scripts/gpu_check.sh (480 s,
+    after the benchmark's 60 s: under 560 s in all)."""
     from gnnlm.pipeline.config_files import merged_yaml
 
     table = _section("### On one GPU")
     rows = re.findall(r"^\| (.+?) \| (\*\*)?(\d+)(\*\*)? \|", table, re.M)
     budget = {name: int(seconds) for name, _, seconds, _ in rows}
     total = budget.pop("**total**")
-    assert sum(budget.values()) == total <= 600
+    check = (REPO / "scripts/gpu_check.sh").read_text()
+    table_limit = int(re.search(r"TABLE_SECONDS:-(\d+)", check).group(1))
+    bench_limit = int(re.search(r"BENCH_SECONDS:-(\d+)", check).group(1))
+    assert sum(budget.values()) == total <= table_limit == 480
+    assert table_limit + bench_limit <= 560 - 20    # and the check's own start
     limited = {re.search(r"`(\w+\.yaml)`, `max_time`", name).group(1): (name, seconds)
                for name, seconds in budget.items() if "`max_time`" in name}
     pipeline = yaml.safe_load((REPO / "configs/wikitext2/pipeline.yaml").read_text())

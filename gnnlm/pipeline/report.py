@@ -127,8 +127,9 @@ def _screen_clause(screen: Optional[dict]) -> str:
         return ""
     precisions = " and ".join(f"{name} ({screen[name]:,} queries)"
                               for name in ("float16", "float32") if screen.get(name))
-    return (f", screened in {precisions or 'no precision recorded'}, "
-            f"{screen.get('rescreened', 0):,} screened again in float32 and "
+    again = (f"{screen.get('rescreened', 0):,} screened again in float32, "
+             if screen.get("float16") else "")
+    return (f", screened in {precisions or 'no precision recorded'}, {again}"
             f"{screen.get('exhaustive', 0):,} scored against every key")
 
 

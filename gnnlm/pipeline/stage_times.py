@@ -46,14 +46,21 @@ class StageTimes:
         self.stages.append({"stage": stage, "seconds": round(seconds, 2)})
         say(f"[gnnlm] stage {stage}: {format_seconds(seconds)}")
 
-    def as_dict(self, environment: Optional[dict] = None) -> dict:
-        return {"started": self.started,
-                "total_seconds": round(time.perf_counter() - self.t0, 2),
-                "stages": self.stages, "environment": environment, "made_by": code_version()}
+    def as_dict(self, environment: Optional[dict] = None, stopped: Optional[str] = None
+                ) -> dict:
+        record = {"started": self.started,
+                  "total_seconds": round(time.perf_counter() - self.t0, 2),
+                  "stages": self.stages, "environment": environment, "made_by": code_version()}
+        if stopped is not None:  # the run ended early: the stages it finished, and where
+            record["stopped"] = stopped
+        return record
 
-    def write(self, folder: Path, environment: Optional[dict] = None) -> dict:
-        """``folder/stage_times.json`` (written whole, atomically); returns what it wrote."""
-        record = self.as_dict(environment)
+    def write(self, folder: Path, environment: Optional[dict] = None,
+              stopped: Optional[str] = None) -> dict:
+        """``folder/stage_times.json`` (written whole, atomically; ``stopped``: why and where a
+        run that did not finish ended); returns what it wrote."""
+        record = self.as_dict(environment, stopped)
+        Path(folder).mkdir(parents=True, exist_ok=True)  # a run stopped before its report
         write_json_atomic(Path(folder) / "stage_times.json", record)
         return record
 

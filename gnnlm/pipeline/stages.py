@@ -47,6 +47,7 @@ from gnnlm.text.tokens import HFTokenizer, TokenizerConfig, TokenStore, build_to
 from gnnlm.text.words import SUBWORD_KINDS, scored_words
 from gnnlm.utils import environment
 from gnnlm.utils.metrics import check_finite
+from gnnlm.utils.stopping import Stopped
 from gnnlm.workdir.artifacts import (
     ArtifactBuilder,
     changed_hint,
@@ -311,8 +312,15 @@ def run(cfg: PipelineConfig) -> dict:
         if cascade:  # before any work: what --rebuild discards besides what it names
             print(cascade, flush=True)
         times = StageTimes()
-        with times.running():
-            report = run_stages(cfg, workdir)
+        try:
+            with times.running():
+                report = run_stages(cfg, workdir)
+        except Stopped as stop:  # told to stop (a time limit): where it got, for the record
+            times.write(workdir.report(cfg.name), environment.describe(), stopped=str(stop))
+            if cfg.copy_report_to:
+                Path(cfg.copy_report_to).mkdir(parents=True, exist_ok=True)
+                shutil.copy2(workdir.report(cfg.name) / "stage_times.json", cfg.copy_report_to)
+            raise
         times.write(workdir.report(cfg.name), report["environment"])
         if cfg.copy_report_to:
             shutil.copytree(workdir.report(cfg.name), cfg.copy_report_to, dirs_exist_ok=True)

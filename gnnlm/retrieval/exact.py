@@ -16,10 +16,11 @@ them in three steps:
    position.
 3. **Certify.** A key left out screened at most t̃ (the M-th screening score), so its exact
    score is at most t̃ + ε. Where the k-th exact score among the candidates is above t̃ + ε, no
-   key left out can enter the top k, or tie with it: the row is exact. Rows that fail are
-   screened again in float32 (ε about 20x smaller; after a float32 screening, 8x wider), and
-   those that fail again (exact ties across the boundary) re-scored against every key
-   (``_exhaustive``).
+   key left out can enter the top k, or tie with it: the row is exact. Rows a float16
+   screening cannot settle are screened again in float32 (ε about 20x smaller); rows a float32
+   screening cannot settle (ties or near-ties across the k-th place, a datastore whose keys
+   all point one way) are re-scored against every key (``_exhaustive``), which costs one more
+   pass over the keys.
 
 Both screenings return the same ids and float32 scores, bit for bit; only the time differs. How
 many rows needed a second screening or every key is counted in ``stats``. Squared L2 distances
@@ -45,7 +46,6 @@ ROWS = 32       # query rows of every re-scoring product: below ~8 rows the CPU 
 COLS = 4096     # key columns of every re-scoring product
 U16, U32 = 2.0 ** -11, 2.0 ** -24   # unit round-off of float16 and float32
 F16_SUBNORMAL = 2.0 ** -25          # float16's absolute rounding error below its normal range
-WIDEN = 8       # a second float32 screening's width, in multiples of the first
 SAFETY = 1.01   # on the error bound (a worst case already): its own float64 arithmetic
 CPU_SCORE_ELEMENTS = 1 << 24        # screening scores per step on the CPU (64 MB of float32)
 GPU_SCORE_BYTES = 8 << 30           # at most this much GPU memory for screening scores
@@ -102,6 +102,35 @@ def half_products_accumulate_in_float32(device: torch.device, d: int, seed: int 
     # the output's rounding is of the score itself: a float16 sum's errors are of its partials
     bound = gamma * product + U16 * (exact.abs() + gamma * product) + F16_SUBNORMAL
     return bool(((s - exact).abs() <= bound).all())
+
+
+def _best(scores: torch.Tensor, ids: torch.Tensor, k: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of ``scores`` [r, W] whose columns are the keys ``ids`` [W] (ascending), ties
+    to the lower id: ``(scores [r, k], ids [r, k])``, best first. One top-k, then only the
+    keys tied with the k-th are told apart, by position."""
+    k = min(k, scores.shape[1])
+    kth = scores.topk(k, dim=1).values[:, -1:]                         # [r, 1]
+    above, tied = scores > kth, scores == kth
+    room = k - above.sum(1, keepdim=True)                              # tied keys that fit
+    crowded = (tied.sum(1, keepdim=True) > room).flatten()             # more ties than room
+    keep = above | tied
+    if crowded.any():  # there, the first ties by position only
+        keep[crowded] = above[crowded] | (tied[crowded] & (tied[crowded].cumsum(1)
+                                                           <= room[crowded]))
+    rows, cols = keep.nonzero(as_tuple=True)                           # ids ascending per row
+    best_s, best_i = scores[rows, cols].view(-1, k), ids[cols].view(-1, k)
+    best_s, order = best_s.sort(dim=1, descending=True, stable=True)
+    return best_s, best_i.gather(1, order)
+
+
+def _merged(s1: torch.Tensor, i1: torch.Tensor, s2: torch.Tensor, i2: torch.Tensor, k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of two candidate lists [r, *] (scores, ids), ties to the lower id."""
+    s, i = torch.cat([s1, s2], dim=1), torch.cat([i1, i2], dim=1)
+    i, by_id = i.sort(dim=1)
+    s, order = s.gather(1, by_id).sort(dim=1, descending=True, stable=True)
+    return s[:, :k], i.gather(1, order[:, :k])
 
 
 class ExactSearch:
@@ -225,22 +254,17 @@ class ExactSearch:
         r, u = q.shape[0], keys.shape[0]
         padded = q.new_zeros(ROWS, self.d)
         padded[:r] = q
-        q_sq = (padded * padded).sum(1) if self.metric == "l2" else None
-        block = q.new_zeros(COLS, self.d)
-        out = q.new_empty(ROWS, u)
-        for c0 in range(0, u, COLS):
-            c1 = min(c0 + COLS, u)
-            block[:c1 - c0] = keys[c0:c1]
-            block[c1 - c0:] = 0
-            s = torch.mm(padded, block.T)                                  # [32, 4096]
-            if q_sq is not None and k_sq is not None:
-                # -|q - k|², as exact_search always computed it; clamped: rounding must not
-                # make a distance negative
-                pad = k_sq.new_zeros(COLS)
-                pad[:c1 - c0] = k_sq[c0:c1]
-                s.mul_(2).sub_(q_sq[:, None]).sub_(pad[None]).clamp_(max=0.0)
-            out[:, c0:c1] = s[:, :c1 - c0]
-        return out[:r]
+        tiles = -(-u // COLS)
+        if u % COLS:  # the last tile zero-padded to the full shape
+            keys = torch.cat([keys, keys.new_zeros(tiles * COLS - u, self.d)])
+        scores = torch.cat([torch.mm(padded, keys[t * COLS:(t + 1) * COLS].T)  # [32, 4096]
+                            for t in range(tiles)], dim=1)[:r, :u]
+        if self.metric == "l2" and k_sq is not None:
+            # -|q - k|², as exact_search always computed it; clamped: rounding must not make a
+            # distance negative
+            q_sq = (q * q).sum(1)
+            scores = scores.mul(2).sub_(q_sq[:, None]).sub_(k_sq[None]).clamp_(max=0.0)
+        return scores
 
     def _rescore(self, q: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         """Exact scores [b, M] of queries ``q`` [b, d] and their candidate ids ``cand`` [b, M]:
@@ -360,25 +384,19 @@ class ExactSearch:
         return top_s, top_i, top_s[:, -1].double() > floor + eps
 
     def _exhaustive(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The definition itself: every key re-scored, the k best kept, ties to the lower id."""
-        out_s, out_i = [], []
-        for g0 in range(0, q.shape[0], ROWS):
-            group = q[g0:g0 + ROWS]
-            run_s = torch.empty((len(group), 0), device=self.device)
-            run_i = torch.empty((len(group), 0), dtype=torch.int64, device=self.device)
-            for start in range(0, self.n, self.chunk):
-                stop = min(start + self.chunk, self.n)
-                k_sq = None if self._k_sq is None else self._k_sq[start:stop]
-                s = self.pair_scores(group, self._range(start, stop), k_sq)
-                s_top, pos = s.sort(dim=1, descending=True, stable=True)
-                # earlier chunks hold lower ids: a stable sort keeps them first among ties
-                run_s = torch.cat([run_s, s_top[:, :k]], dim=1)
-                run_i = torch.cat([run_i, pos[:, :k] + start], dim=1)
-                run_s, keep = run_s.sort(dim=1, descending=True, stable=True)
-                run_s, run_i = run_s[:, :k], run_i.gather(1, keep[:, :k])
-            out_s.append(run_s)
-            out_i.append(run_i)
-        return torch.cat(out_s), torch.cat(out_i)
+        """The definition itself: every key re-scored, the k best kept, ties to the lower id.
+        Each chunk of keys is read once for every group of 32 queries."""
+        groups = [q[g0:g0 + ROWS] for g0 in range(0, q.shape[0], ROWS)]
+        best = [(torch.empty((len(g), 0), device=self.device),
+                 torch.empty((len(g), 0), dtype=torch.int64, device=self.device)) for g in groups]
+        for start in range(0, self.n, self.chunk):
+            stop = min(start + self.chunk, self.n)
+            keys, ids = self._range(start, stop), torch.arange(start, stop, device=self.device)
+            k_sq = None if self._k_sq is None else self._k_sq[start:stop]
+            for j, group in enumerate(groups):
+                s, i = _best(self.pair_scores(group, keys, k_sq), ids, k)
+                best[j] = _merged(*best[j], s, i, k)
+        return torch.cat([s for s, _ in best]), torch.cat([i for _, i in best])
 
     @torch.no_grad()
     def search(self, queries: Any, k: int, margin: Optional[int] = None
@@ -399,13 +417,11 @@ class ExactSearch:
             top_s, top_i, exact = self._certified(q, kk, width, self.screen)
             todo = torch.nonzero(~exact).flatten()
             self.stats["queries"] += n
-            if len(todo):
-                # a finer screening for rows the first could not settle: float32 (ε ~20x
-                # smaller) after float16, or 8x wider after float32
+            if len(todo) and self.screen == "float16":
+                # a float32 screening (ε ~20x smaller) for rows float16 could not settle
                 self.stats["rescreened"] += len(todo)
-                again = (min(self.n, kk + max(64, kk // 4)) if self.screen == "float16"
-                         else min(self.n, WIDEN * width))
-                s, i, ok = self._certified(q[todo], kk, again, "float32")
+                s, i, ok = self._certified(q[todo], kk, min(self.n, kk + max(64, kk // 4)),
+                                           "float32")
                 top_s[todo], top_i[todo] = s, i
                 todo = todo[~ok]
             if len(todo):

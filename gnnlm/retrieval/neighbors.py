@@ -19,10 +19,10 @@ the unmasked search's top K that leakage removed). Valid/test queries are not ma
 
 ``backend="exact"`` searches exactly in torch over the stored train keys (Xu et al.'s "real
 mask"; ``gnnlm.retrieval.exact``: on CUDA a float16 screening, certified, then float32 scores; the
-manifest's ``screen`` counts the queries screened in each precision and those screened wider or
-scored against every key); ``"index"`` uses the FAISS index ("FAISS mask"). The build goes in
-fixed chunks of positions with progress after each, so a killed build resumes and ends with the
-same bytes.
+manifest's ``screen`` counts the queries screened in each precision, those screened again in
+float32 and those scored against every key); ``"index"`` uses the FAISS index ("FAISS mask").
+The build goes in fixed chunks of positions with progress after each, so a killed build resumes
+and ends with the same bytes.
 ``devices`` > 1 shares the chunks among processes (``gnnlm.workdir.shards``): one per GPU on CUDA,
 each with its own copy of the index on its GPU when faiss has GPU support; the same bytes again,
 and a killed build resumes with any number of processes. ``shard_index`` instead spreads one index

@@ -4,10 +4,9 @@ Similarity convention, everywhere in the package: **higher is better**. ``cos`` 
 and queries and scores by inner product, ``ip`` is the raw inner product, ``l2`` is the *negative*
 squared L2 distance. Missing results (fewer keys than asked for) are id -1 with similarity -inf.
 
-``exact_search`` is a chunked matmul + top-k in torch over a possibly float16 memmap (keys are
-read once, converted one chunk at a time); it is the dependable exact path on CUDA machines
-without faiss-gpu. On 2 CPU cores it ran at 0.65x the speed of faiss ``IndexFlatIP`` over
-float32 keys in RAM, with the same ids, while reading half the bytes (the fp16 memmap).
+``exact_search`` is exact search in torch (``gnnlm.retrieval.exact``: a screening product over a
+possibly float16 memmap, read one chunk at a time, certified, then float32 scores; ties to the
+lower position); it is the dependable exact path on CUDA machines without faiss-gpu.
 ``Searcher`` puts a FAISS index (``gnnlm.retrieval.index``) and exact search behind one call. With
 ``rerank = f`` it searches f·k candidates in the index and keeps the k best by their exact
 similarity, recomputed from the stored float16 keys: the IVF-PQ index only has to bring the

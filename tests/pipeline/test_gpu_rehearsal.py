@@ -1,6 +1,7 @@
-"""The GPU table's rehearsal on the CPU: ``scripts/gpu_table.sh`` with ``pipeline.yaml`` and the
-fit YAMLs it names, overlaid by ``configs/tests/gpu_rehearsal.yaml`` (sizes and device only), run
-from a fresh folder. Every GPU option runs: bf16-mixed autocast, exact search, both key types,
+"""The GPU table's rehearsal on the CPU: ``scripts/gpu_check.sh --rehearsal`` (the benchmark at
+small shapes, then ``scripts/gpu_table.sh`` with ``pipeline.yaml`` and the fit YAMLs it names,
+overlaid by ``configs/tests/gpu_rehearsal.yaml``: sizes and device only), run from a fresh
+folder. Every GPU option runs: bf16-mixed autocast, exact search, both key types,
 PQ node features read by 8 DataLoader workers, the k curriculum, the eval_ks list, SPALM's gate
 and the SPALM comparison's six rows with their kNN-LM ceilings, and every time limit. About 6
 minutes on two idle cores (bf16 matmuls run several times slower than float32 on a CPU without
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -32,18 +34,23 @@ TRAINED = ["base_lm", "gnn", "spalm", "transformer", "transformer_xl", "spalm_xl
 
 @pytest.fixture(scope="module")
 def rehearsal(wikitext_root, tmp_path_factory):
-    """The rehearsal, once, in a fresh folder; returns (folder, table folder)."""
+    """The rehearsal, once, in a fresh folder, through ``scripts/gpu_check.sh --rehearsal`` (the
+    GPU machine's one command: the benchmark at small shapes on a CPU, then the table script);
+    returns (folder, the table's folder, the command's OUT). Its time limits are lifted: they
+    are a GPU's, and a loaded CPU takes minutes."""
     cwd = tmp_path_factory.mktemp("gpu-rehearsal")
     (cwd / "configs").symlink_to(REPO / "configs")
     env = {**os.environ, "PYTHON": sys.executable, "GNNLM_DATA": str(wikitext_root),
-           "GNNLM_WHEELS": str(cwd / "no-wheels"), "GNNLM_SITE": str(cwd / "site")}
-    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_table.sh"), "table",
-                             *REHEARSAL], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=2700)
+           "GNNLM_WHEELS": str(cwd / "no-wheels"), "GNNLM_SITE": str(cwd / "site"),
+           "GNNLM_CHECK_TABLE": str(cwd / "table"), "BENCH_SECONDS": "900",
+           "TABLE_SECONDS": "2700"}
+    result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "out",
+                             "--rehearsal"], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=3600)
     if result.returncode != 0:
         raise AssertionError(f"the GPU rehearsal failed:\n{result.stdout[-6000:]}\n"
                              f"{result.stderr[-3000:]}")
-    return cwd, cwd / "table"
+    return cwd, cwd / "table", cwd / "out"
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +68,36 @@ def test_every_row_of_the_gpu_table_is_scored_on_the_same_tokens(rehearsal, resu
             assert np.isfinite(scores[row]).all() and (scores[row] <= 0).all(), row
     stages = {s["stage"] for s in
               json.loads((rehearsal[1] / "stage_times.json").read_text())["stages"]}
-    assert {"base_lm", "features", "index[final]", "neighbors[final]", "index[att]",
-            "neighbors[att]", "pq", "interpolations", "report", *TRAINED[1:]} <= stages
+    assert {"base_lm", "features", "neighbors[final]", "neighbors[att]", "pq",
+            "interpolations", "report", *TRAINED[1:]} <= stages
+    assert not any(stage.startswith("index") for stage in stages)  # exact search reads none
     assert "+GNN+kNN" in (rehearsal[1] / "pipeline.log").read_text()
+
+
+def test_the_check_leaves_six_files_the_bench_and_the_records(rehearsal, results):
+    out = rehearsal[2]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench_gpu.json", "pipeline.log", "records.tar.gz", "results.json", "results.md",
+        "stage_times.json"]
+    assert json.loads((out / "results.json").read_text()) == results
+    bench = json.loads((out / "bench_gpu.json").read_text())
+    assert bench["shapes"]["keys"] == 20_000                       # small shapes on a CPU
+    assert bench["exact_search"]["equal_to_float32_screening"] is True
+    log = (out / "pipeline.log").read_text()
+    assert "exact search (float32 screening)" in log and "the table ended with status 0" in log
+    with tarfile.open(out / "records.tar.gz") as tar:
+        names = tar.getnames()
+    assert any(n.endswith("models/gnn/manifest.json") for n in names)
+    assert any(n.endswith("test_logprobs.npz") for n in names)
+    assert any(n.endswith("environment.txt") for n in names)
 
 
 def test_retrieval_is_the_gpu_config_s_exact_search_with_both_keys(results):
     for key in ("final", "att"):
         facts = results["retrieval"][key]
         assert facts["backend"] == "exact" and facts["K"] == 64, facts
-        assert facts["index_factory"] == "IVF64,PQ16x8np"
+        assert facts["index_factory"] is None and facts["index_use"] is None  # none built
+        assert facts["screen"]["float32"] > 0 and facts["screen"]["exhaustive"] >= 0
     for row in ("knn", "knn[att]", "gnn+knn", "transformer_xl+knn"):
         assert results["hparams"][row]["neighbours"] == "exact neighbours", row
     # real outcomes on the slice: retrieval helps the rehearsal's base LM

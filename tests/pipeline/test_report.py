@@ -225,7 +225,10 @@ def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used(
                 "screen": {"float16": 900, "float32": 0, "rescreened": 12, "exhaustive": 1}}
     alone = _retrieval_line("final", _retrieval_facts(KeyRetrieval(None, {"test": screened}, {})))
     assert ("exact search, K = 8, screened in float16 (900 queries), 12 screened again in "
-            "float32 and 1 scored against every key; no index (nothing reads one)") in alone
+            "float32, 1 scored against every key; no index (nothing reads one)") in alone
+    screened["screen"] = {"float16": 0, "float32": 900, "rescreened": 0, "exhaustive": 3}
+    alone = _retrieval_line("final", _retrieval_facts(KeyRetrieval(None, {"test": screened}, {})))
+    assert "screened in float32 (900 queries), 3 scored against every key; no index" in alone
     train.update(leakage_window=None, masked_fraction=None)
     assert "not masked for leakage" in line(backend="exact", factory="exact")
 

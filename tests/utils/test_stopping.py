@@ -280,6 +280,17 @@ def test_a_resumed_chunked_stage_ends_with_the_bytes_of_an_uninterrupted_one(sto
 
 
 @pytest.mark.integration
+def test_a_stopped_pipeline_records_the_stages_it_finished_and_where_it_stopped(stopped_runs):
+    """What a time limit leaves (scripts/gpu_check.sh): stage_times.json of the run so far."""
+    times = json.loads((stopped_runs["workdir"] / "reports" / "stop" / "stage_times.json")
+                       .read_text())                              # the "after" run's
+    _, _, last, _ = stopped_runs["after"]
+    assert last == f"gnnlm pipeline: {times['stopped']}; rerun to resume"
+    assert [s["stage"] for s in times["stages"]][:2] == ["base_lm", "features"]
+    assert times["environment"]["device"] == "cpu"
+
+
+@pytest.mark.integration
 def test_sigterm_during_lightning_scoring_exits_within_seconds(stopped_runs):
     """Lightning's evaluation loop (``gnnlm test`` of the base LM on the whole test split):
     Lightning's own SIGTERM handler only sets a flag there; the run still stops."""
