@@ -195,7 +195,7 @@ def built(wikitext_root, tmp_path_factory):
 
 RETRIEVAL = ("neighbors/final-cos/train", "neighbors/final-cos/valid", "neighbors/final-cos/test",
              "knn_cache/final-cos-faiss/valid", "knn_cache/final-cos-faiss/test", "models/gnn")
-KEPT = ("tokens", "features/train", "features/valid", "features/test", "index/final-cos")
+KEPT = ("tokens", "features/train", "features/valid", "features/test")  # exact search: no index
 
 
 def manifests(work) -> dict[str, dict]:
@@ -219,6 +219,7 @@ def test_rebuilding_the_neighbours_rebuilds_the_caches_and_retrains_the_head_in_
         built, tmp_path, capsys):
     args, source = built
     work = shutil.copytree(source, tmp_path / "work")
+    assert not (work / "index").exists()          # exact neighbours read no index
     before = manifests(work)
     capsys.readouterr()
     out, err = rerun(args, work, capsys, "--rebuild=[neighbors]")
