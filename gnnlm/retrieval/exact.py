@@ -335,7 +335,7 @@ class ExactSearch:
                 s = torch.mm(qs[r0:r0 + r], kc.T, out=buffer[:r * (stop - start)].view(
                     r, stop - start))                                       # [r, c]
                 if q_sq is not None and self._k_sq is not None:  # as pair_scores computes it
-                    s.mul_(2).sub_(q_sq[r0:r0 + rows, None]).sub_(
+                    s.mul_(2).sub_(q_sq[r0:r0 + r, None]).sub_(
                         self._k_sq[None, start:stop]).clamp_(max=0.0)
                 top_s, top_i = s.topk(min(width, stop - start), dim=1, sorted=False)
                 run_s = torch.cat([best[j][0], top_s], dim=1)
