@@ -48,7 +48,9 @@ from gnnlm.utils.progress import say
 from gnnlm.workdir.artifacts import (
     ArtifactBuilder,
     ArtifactError,
+    canonical_json,
     check_inputs,
+    is_complete,
     open_array,
     read_manifest,
 )
@@ -147,11 +149,32 @@ def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
         metric=metric, config=config, masked=masked, window=window, n=n, width=width,
         inputs=inputs, index_facts=index_facts, search=search,
         base_lm=asked, device=device, rebuild=rebuild, stop_after=stop_after_chunks)
+    reused = _made_with_the_index_listed(job)
+    if reused is not None:
+        return reused
     if job.builder().is_complete():
         return read_manifest(job.out_dir)
     if config.shard_index:
         require_faiss_gpu("A sharded multi-GPU index (neighbors.shard_index)")
     return run_on_ranks(job, config.devices, device, strategy)
+
+
+def _made_with_the_index_listed(job: NeighborsJob) -> dict | None:
+    """Exact neighbours built when the exact backend still listed the index among its inputs
+    (it never read it): the same neighbours for the same settings, reused as they are rather
+    than refused, so their kNN caches and heads stay too. None for anything else."""
+    if job.config.backend != "exact" or job.rebuild or not is_complete(job.out_dir):
+        return None
+    found = read_manifest(job.out_dir, kind="neighbors")
+    builder = job.builder()
+    recorded = dict(found.get("inputs") or {})
+    if (recorded.pop("index", None) is None or recorded != builder.inputs
+            or canonical_json(found.get("config")) != canonical_json(builder.config)):
+        return None
+    builder.check_files(found)
+    say(f"[gnnlm] neighbors {job.out_dir}: skipped (complete; made when exact search listed "
+        f"the index among its inputs)")
+    return found
 
 
 COUNTS = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")

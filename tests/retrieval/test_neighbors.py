@@ -14,7 +14,7 @@ from gnnlm.retrieval.neighbors import (
     open_neighbors,
 )
 from gnnlm.retrieval.search import exact_search
-from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import Workdir
 from tests import fakes
 
@@ -190,6 +190,26 @@ def test_the_exact_backend_reads_no_index(store, tmp_path):
     assert np.array_equal(arrays["ids"], ids) and np.array_equal(arrays["sims"], sims)
     with pytest.raises(ArtifactError, match="No complete index"):       # the index backend
         build_neighbors(alone, "valid", "final", "cos", NeighborsConfig(K=9), device="cpu")
+
+
+def test_exact_neighbours_made_when_the_index_was_listed_are_reused(store, tmp_path, capsys):
+    """Exact neighbours from before exact search stopped listing the index among its inputs:
+    the same neighbours, reused (not refused, which would rebuild every stage reading them)."""
+    wd, _, _ = store
+    wd = fresh(wd, tmp_path)
+    config = NeighborsConfig(K=9, backend="exact")
+    built = build_neighbors(wd, "valid", "final", "cos", config, device="cpu")
+    path = wd.neighbors("final", "cos", "valid")
+    older = fakes.as_older_code_wrote_it(
+        path, lambda m: m["inputs"].update(index=read_manifest(wd.index("final", "cos"))[
+            "fingerprint"]))
+    capsys.readouterr()
+    again = build_neighbors(wd, "valid", "final", "cos", config, device="cpu")
+    assert again["inputs"] == older["inputs"] != built["inputs"]
+    assert "made when exact search listed the index" in capsys.readouterr().err
+    with pytest.raises(ArtifactError, match="other settings"):       # other settings still are
+        build_neighbors(wd, "valid", "final", "cos", NeighborsConfig(K=8, backend="exact"),
+                        device="cpu")
 
 
 def test_refuses_other_base_lm_and_bad_k(store, tmp_path):
