@@ -43,6 +43,11 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# The CPU kernels torch (ATen, oneDNN, MKL) and faiss (its own SIMD code, OpenBLAS) run depend on
+# the CPU, so two CPUs print tables a few tenths of a percent apart (README, "On a 2-core CPU").
+# Pinning every library to its AVX2 path (gnnlm.utils.cpu_kernels.PINS) did not give an AVX-512
+# CPU the weights an AVX2-only CPU trained, so the demo runs each CPU's own kernels and the
+# report records which (environment.cpu_kernels)
 demo: setup
 	$(BIN)/gnnlm pipeline -c configs/wikitext2/pipeline.yaml -c configs/wikitext2/pipeline_cpu.yaml
 

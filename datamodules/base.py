@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pytorch_lightning as pl
@@ -39,6 +39,19 @@ class WorkdirDataModule(pl.LightningDataModule):
         self.workdir = Workdir(workdir)
         self.predict_split = ""
         self.connect(predict_split=predict_split)
+
+    @classmethod
+    def check_arguments(cls, **args: Any) -> None:
+        """Refuse an argument that is wrong whatever the work directory holds (``args``: some
+        of ``__init__``'s, by name). Each message starts with the argument's name
+        (``k_schedule must ...``): ``__init__`` raises it as it is, and ``gnnlm pipeline``,
+        which runs this on every head's parsed config when its config loads
+        (``gnnlm.pipeline.config_checks.check_head``), names the file and the key. Subclasses
+        add the checks of their own arguments."""
+        split = args.get("predict_split")
+        if split is not None and split not in SPLITS:
+            raise ValueError(f"predict_split must be one of {', '.join(SPLITS)} "
+                             f"(got {split!r}).")
 
     def connect(self, predict_split: Optional[str] = None) -> None:
         """Settings known only at run time: ``predict_split``, the split ``predict`` scores

@@ -10,7 +10,7 @@ Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -98,8 +98,7 @@ class FeatureDataModule(WorkdirDataModule):
             eval_tokens: keep only this prefix of valid/test (None: every position).
             predict_split: the split ``predict`` scores.
         """
-        if retrieved < 0:
-            raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
+        self.check_arguments(retrieved=retrieved)
         super().__init__(workdir, predict_split)
         self.save_hyperparameters()
         self.key, self.metric, self.retrieved, self.block_size = key, metric, retrieved, block_size
@@ -107,6 +106,14 @@ class FeatureDataModule(WorkdirDataModule):
         self.num_workers = num_workers
         with self.reading_artifacts("features"):
             self.use_features(self.workdir.features_manifest("train"))
+
+    @classmethod
+    def check_arguments(cls, **args: Any) -> None:
+        """``WorkdirDataModule.check_arguments``, and ``retrieved`` >= 0."""
+        super().check_arguments(**args)
+        retrieved = args.get("retrieved")
+        if retrieved is not None and retrieved < 0:
+            raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         values = (NeighborValues(self.workdir, self.key, self.metric, split, self.retrieved)

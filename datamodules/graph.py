@@ -34,7 +34,7 @@ Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
 import torch
@@ -145,6 +145,8 @@ class GraphDataModule(WorkdirDataModule):
         super().__init__(workdir, predict_split)
         self.save_hyperparameters()
         self.graph = graph if isinstance(graph, GraphConfig) else GraphConfig(**dict(graph))
+        self.check_arguments(graph=self.graph, k_schedule=k_schedule, eval_windows=eval_windows,
+                             eval_ks=eval_ks)
         self.key, self.metric, self.block_size = key, metric, block_size
         self.node_feature_kind = node_features
         self.leakage_window_given = leakage_window
@@ -154,17 +156,6 @@ class GraphDataModule(WorkdirDataModule):
         self.eval_windows, self.eval_ks = eval_windows, eval_ks
         self.k_schedule: list[tuple[int, int]] = sorted((int(epoch), int(k))
                                                         for epoch, k in k_schedule or [])
-        if k_schedule:
-            schedule = self.k_schedule
-            if schedule[0][0] != 0 or schedule[-1][1] != self.graph.k:
-                raise ValueError(f"k_schedule must start at epoch 0 and end with graph.k = "
-                                 f"{self.graph.k}, the k evaluation uses (got {k_schedule}).")
-        if eval_windows not in ("once", "per_retrieval"):
-            raise ValueError(f"eval_windows must be 'once' or 'per_retrieval' "
-                             f"(got {eval_windows!r}).")
-        if eval_ks is not None and (not eval_ks or min(eval_ks) < 1):
-            raise ValueError(f"eval_ks must list positive numbers of windows per token "
-                             f"(got {eval_ks}).")
         # the k of valid/test graphs (None: graph.k): connect(eval_k=...), one of eval_ks
         self.eval_k: Optional[int] = None
         with self.reading_artifacts("features, neighbours, PQ codes"):
@@ -173,6 +164,27 @@ class GraphDataModule(WorkdirDataModule):
                                                  kind="neighbors")
         self.use_features(train_manifest)
         self.n_train = train_manifest["n"]
+
+    @classmethod
+    def check_arguments(cls, **args: Any) -> None:
+        """``WorkdirDataModule.check_arguments``, and the k curriculum (from epoch 0, ending
+        at ``graph.k``, the k evaluation uses), ``eval_windows`` and ``eval_ks``."""
+        super().check_arguments(**args)
+        graph, given = args.get("graph"), args.get("k_schedule")
+        if given and graph is not None:
+            schedule = sorted((int(epoch), int(k)) for epoch, k in given)
+            if schedule[0][0] != 0 or schedule[-1][1] != graph.k:
+                shown = [list(step) for step in given]  # as YAML writes it (parsed: tuples)
+                raise ValueError(f"k_schedule must start at epoch 0 and end with graph.k = "
+                                 f"{graph.k}, the k evaluation uses (got {shown}).")
+        windows = args.get("eval_windows")
+        if windows is not None and windows not in ("once", "per_retrieval"):
+            raise ValueError(f"eval_windows must be 'once' or 'per_retrieval' "
+                             f"(got {windows!r}).")
+        eval_ks = args.get("eval_ks")
+        if eval_ks is not None and (not eval_ks or min(eval_ks) < 1):
+            raise ValueError(f"eval_ks must list positive numbers of windows per token "
+                             f"(got {list(eval_ks)}).")
 
     @property
     def graph_layout(self) -> GraphLayout:

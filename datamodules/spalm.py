@@ -21,7 +21,7 @@ Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import DataLoader
@@ -88,10 +88,7 @@ class SpalmDataModule(WorkdirDataModule):
                 record).
             predict_split: the split ``predict`` scores.
         """
-        if retrieved < 0:
-            raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
-        if eval_streams < 1:
-            raise ValueError(f"eval_streams must be >= 1 (got {eval_streams}).")
+        self.check_arguments(retrieved=retrieved, eval_streams=eval_streams)
         super().__init__(workdir, predict_split)
         self.save_hyperparameters()
         self.key, self.metric, self.block_size = key, metric, block_size
@@ -110,6 +107,17 @@ class SpalmDataModule(WorkdirDataModule):
         self.bos_id = tokens["bos_id"]
         # linked into the model, which checks the weights against the datastore's fingerprint
         self.use_base_lm(train, base_lm_path)
+
+    @classmethod
+    def check_arguments(cls, **args: Any) -> None:
+        """``WorkdirDataModule.check_arguments``, ``retrieved`` >= 0 and ``eval_streams``
+        >= 1."""
+        super().check_arguments(**args)
+        retrieved, streams = args.get("retrieved"), args.get("eval_streams")
+        if retrieved is not None and retrieved < 0:
+            raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
+        if streams is not None and streams < 1:
+            raise ValueError(f"eval_streams must be >= 1 (got {streams}).")
 
     def n_positions(self, split: str) -> int:
         """Positions served for ``split``: the covered train prefix, or every valid/test one."""

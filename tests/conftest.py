@@ -139,7 +139,34 @@ def results(workdir) -> dict:
     return json.loads((workdir / "reports" / "tests" / "results.json").read_text())
 
 
-# the GPU table's rehearsal: configs/tests/gpu_rehearsal.yaml and its fit overlays (sizes only)
+@pytest.fixture(scope="session")
+def hf_family_built(wikitext_root, tmp_path_factory):
+    """The retrieval pipeline with GNN-LM (configs/tests/hf_family.yaml) on a tiny random-weight
+    GPT-2 with a BPE trained on the slice: the first 40k characters of WikiText-2's train split
+    and 10k of valid and test. Returns (its arguments without the work directory, the work
+    directory); tests change copies of it."""
+    from gnnlm.pipeline.config import load_config
+    from gnnlm.pipeline.stages import run
+    from tests.families import FAMILIES, save_family, train_bpe
+
+    root = tmp_path_factory.mktemp("hf-family")
+    corpus = root / "slice"
+    corpus.mkdir()
+    for split, chars in (("train", 40_000), ("valid", 10_000), ("test", 10_000)):
+        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
+        (corpus / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
+    folder = save_family(FAMILIES["gpt2"], train_bpe((corpus / "train.txt").read_text(), 300),
+                         root / "gpt2")
+    args = ["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
+            f"--corpus.path={corpus}", "--knn.keys=[final]"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)  # the config names others relative to the repository
+        run(load_config([*args, f"--workdir={root / 'work'}"]))
+    return args, root / "work"
+
+
+# the GPU table's rehearsal: configs/tests/gpu_rehearsal.yaml and its fit overlays (sizes, the
+# device and the other changes tests/rehearsal.py lists)
 REHEARSAL_SIZE_OVERLAYS = "configs/tests/gpu_rehearsal/"
 
 

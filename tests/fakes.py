@@ -13,17 +13,24 @@ import torch
 
 from gnnlm.cli import main
 from gnnlm.workdir.artifacts import MANIFEST_SHA256, ArtifactBuilder
+from gnnlm.workdir.predates import own_manifests, work_directory_of
 
 
 def as_older_code_wrote_it(path, edit) -> dict:
     """Rewrite the manifest of the artifact at ``path`` as an older gnnlm wrote it: ``edit``
     applied to it (a function of the dict), and without the checksum of its own content, which
-    older manifests did not have. Returns the manifest written."""
+    older manifests did not have; so are the other manifests of its work directory (its own
+    folders), as an older gnnlm wrote them too (one without its checksum among manifests with
+    theirs is refused). Returns the manifest written."""
     file = path / "manifest.json"
     manifest = json.loads(file.read_text())
     edit(manifest)
     manifest.pop(MANIFEST_SHA256, None)
     file.write_text(json.dumps(manifest))
+    for other, _, _ in own_manifests(work_directory_of(path)):
+        content = json.loads(other.read_text())
+        if content.pop(MANIFEST_SHA256, None) is not None:
+            other.write_text(json.dumps(content))
     return manifest
 
 

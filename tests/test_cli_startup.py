@@ -70,3 +70,68 @@ def test_the_help_without_the_command_is_the_commands_own(command, args, capsys,
     own = printed(importlib.import_module(CONFIG_COMMANDS[command][0]).main, args, capsys)
     assert light == own
     assert light.startswith((f"usage: gnnlm {command}", "knn: ", "features: "))
+
+
+# the ``gnnlm`` entry point in a fresh interpreter; prints its exit status and the heavy
+# modules it loaded
+EXIT_PROBE = textwrap.dedent(f"""
+    import json, sys
+    from gnnlm.cli import main
+    try:
+        main(sys.argv[1:])
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    print(json.dumps([code, sorted(m for m in {HEAVY!r} if m in sys.modules)]))
+""")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["score", "{missing}", "--text", "a"],
+     "gnnlm score: error: {missing} does not exist: give the work directory a `gnnlm pipeline` "
+     "run built (its config's `workdir`)."),
+    (["score", "{empty}", "--text", "a"], "gnnlm score: error: {empty} is not a built gnnlm "
+                                          "work directory"),
+    (["generate", "{missing}", "--prompt", "a", "--row", "gnn"], "gnnlm generate: error: "
+                                                                  "{missing} does not exist"),
+    (["generate", "{missing}", "--prompt", "a", "--greedy", "--temperature", "0.7"],
+     "gnnlm generate: error: greedy decoding takes the most likely token: leave temperature, "
+     "top_k and top_p unset, or sample (greedy off)."),
+    # once torch's "probability tensor contains either inf, nan or element < 0"
+    (["generate", "{missing}", "--prompt", "a", "--temperature", "1e-40"],
+     "gnnlm generate: error: temperature must be at least 1.18e-38, the smallest float32 the "
+     "log-probabilities can be divided by (got 1e-40); as the temperature falls to 0, sampling "
+     "becomes greedy decoding (greedy on)."),
+    # the corpus reader's checks (each was told to `iconv -f latin1`, or scored: UTF-16LE)
+    (["score", "{missing}", "--file", "{gzip}"],
+     "gnnlm score: error: {gzip} is not text: it is gzip-compressed (it begins with "
+     "b'\\x1f\\x8b'): decompress it first (gunzip)."),
+    (["score", "{missing}", "--file", "{bom}"],
+     "gnnlm score: error: {bom} is UTF-16 text: convert it to UTF-8 (e.g. iconv -f utf-16 -t "
+     "utf-8)."),
+    (["score", "{missing}", "--file", "{utf16le}"],
+     "gnnlm score: error: {utf16le} is UTF-16 text without a byte-order mark (UTF-16LE): "
+     "convert it to UTF-8 (e.g. iconv -f utf-16le -t utf-8)."),
+    (["score", "{missing}", "--file", "{binary}"],
+     "gnnlm score: error: {binary} is not text: it holds a NUL byte at offset 5 (it begins with "
+     "b'\\x01\\x02\\x03\\x04\\x05\\x00\\x00\\x00'): give a plain text file to score."),
+])
+def test_score_and_generate_answer_what_needs_no_model_without_torch(args, line, tmp_path):
+    """Errors in the options, the text and the work directory are one line, exit status 2,
+    before torch is imported (once 7-10 s on two cores: torch loaded first)."""
+    import gzip
+
+    text = "The game was released in Japan in 2011 .\n"
+    files = {"gzip": gzip.compress(text.encode()), "bom": text.encode("utf-16"),
+             "utf16le": text.encode("utf-16-le"), "binary": bytes([1, 2, 3, 4, 5, 0, 0, 0])}
+    names = {"missing": str(tmp_path / "nowhere"), "empty": str(tmp_path / "empty")}
+    (tmp_path / "empty").mkdir()
+    for name, content in files.items():
+        names[name] = str(tmp_path / f"{name}.txt")
+        (tmp_path / f"{name}.txt").write_bytes(content)
+    out = subprocess.run([sys.executable, "-c", EXIT_PROBE, *(a.format(**names) for a in args)],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    code, heavy = json.loads(out.stdout.splitlines()[-1])
+    assert (code, heavy) == (2, [])
+    errors = out.stderr.splitlines()
+    assert errors[0].startswith(line.format(**names)) and len(errors) == 2, errors

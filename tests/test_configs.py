@@ -12,10 +12,11 @@ import yaml
 
 from gnnlm.lit.cli import GnnlmCLI
 from gnnlm.pipeline.config import load_config
-from gnnlm.pipeline.config_files import yaml_list
+from gnnlm.pipeline.config_files import merged_texts, merged_yaml, yaml_list
 from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
 from gnnlm.pipeline.training import check_fit_configs
 from tests.conftest import REHEARSAL_SIZE_OVERLAYS, REPO, data_dir, yaml_leaves
+from tests.rehearsal import REHEARSAL_OTHER_CHANGES, REHEARSAL_SIZE_FIELDS, undeclared_changes
 
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
@@ -130,19 +131,6 @@ REHEARSAL_PIPELINE_FIELDS = {("name",), ("workdir",), ("features", "context"),
                              ("index", "factory"), ("index", "train_sample"),
                              ("index", "recall_queries"), ("neighbors", "K"),
                              ("neighbors", "train_queries"), ("knn", "ks"), ("pq", "m")}
-# ... and in a fit YAML: the device, the model's and the data's sizes, the step counts of the
-# base LM (whose time limit the GPU sets) and the step size of a 64-wide model
-REHEARSAL_FIT_FIELDS = {
-    ("trainer", "accelerator"), ("trainer", "max_steps"), ("trainer", "val_check_interval"),
-    ("trainer", "enable_progress_bar"),
-    *(("model", "init_args", name) for name in ("context_length", "n_layer", "d_model", "d_ff",
-                                                 "memory_length")),
-    ("model", "init_args", "optim", "lr"), ("model", "init_args", "optim", "warmup_steps"),
-    *(("data", "init_args", name) for name in ("block_size", "eval_context", "eval_stride",
-                                                "train_tokens", "eval_tokens", "k_schedule",
-                                                "eval_ks")),
-    ("data", "init_args", "tokenizer", "kind"), ("data", "init_args", "tokenizer", "max_vocab"),
-    ("data", "init_args", "graph", "k")}
 
 
 
@@ -165,9 +153,10 @@ def test_the_gpu_rehearsal_trains_every_part_of_the_gpu_table_with_its_chain():
         assert [f for f in rehearsed if f != sized[0]] == chain, section
 
 
-def test_the_gpu_rehearsal_changes_sizes_and_the_device_only():
-    """What the rehearsal overlays are sizes: the pipeline's and each fit YAML's; precision,
-    time limits, workers, callbacks, the search backend, keys and options are pipeline.yaml's."""
+def test_the_gpu_rehearsal_changes_sizes_the_device_and_what_it_lists_only():
+    """What the rehearsal overlays are sizes, the pipeline's and each fit YAML's, and the
+    changes ``tests.rehearsal`` lists (the base LM's schedule); precision, time limits, workers,
+    callbacks, the search backend, keys and options are pipeline.yaml's."""
     rehearsal = _sections(REHEARSAL)
     changed = {path for path in yaml_leaves({k: v for k, v in rehearsal.items()
                                          if not (isinstance(v, dict) and "config" in v)})}
@@ -178,10 +167,57 @@ def test_the_gpu_rehearsal_changes_sizes_and_the_device_only():
     assert len(overlays) == 4
     for path in overlays:
         fields = set(yaml_leaves(_sections(str(path.relative_to(REPO)))))
-        assert fields <= REHEARSAL_FIT_FIELDS, (path.name, fields - REHEARSAL_FIT_FIELDS)
+        listed = REHEARSAL_SIZE_FIELDS | set(REHEARSAL_OTHER_CHANGES.get(path.stem, {}))
+        assert fields <= listed, (path.name, fields - listed)
         assert _sections(str(path.relative_to(REPO)))["trainer"]["accelerator"] == "auto"
     # the searches of the GPU table, at slice size
     gpu = _sections(GPU_PIPELINE)
     assert gpu["neighbors"]["backend"] == "exact" and "backend" not in rehearsal["neighbors"]
     assert re.fullmatch(r"IVF\d+,PQ\d+x8np", rehearsal["index"]["factory"])
     assert re.fullmatch(r"IVF\d+,PQ\d+x8np", gpu["index"]["factory"])
+
+
+REHEARSED_PARTS = ["base_lm", "gnn", "spalm", "transformer", "transformer_xl", "spalm_xl",
+                   "spalm_xl_variant", "transformer_xl_scratch", "spalm_xl_scratch"]
+
+
+def _rehearsal_configs(part: str) -> tuple[dict, dict, dict]:
+    """A trained part's GPU chain merged, its rehearsal size overlay, and its rehearsal chain
+    merged (what its fit reads)."""
+    chain = _sections(REHEARSAL)[part]["config"]
+    sized = [f for f in chain if f.startswith(REHEARSAL_SIZE_OVERLAYS)]
+    return (merged_yaml([str(REPO / f) for f in _sections(GPU_PIPELINE)[part]["config"]]),
+            _sections(sized[0]), merged_yaml([str(REPO / f) for f in chain]))
+
+
+@pytest.mark.parametrize("part", REHEARSED_PARTS)
+def test_each_rehearsed_part_departs_from_its_gpu_config_only_as_listed(part):
+    """Each trained part's rehearsal config is its GPU config but for sizes, the device and the
+    changes listed by part (``REHEARSAL_OTHER_CHANGES``, with both values)."""
+    gpu, overlay, rehearsed = _rehearsal_configs(part)
+    assert undeclared_changes(part, gpu, overlay, rehearsed) == []
+    changed = {path for path, value in yaml_leaves(gpu).items()
+               if yaml_leaves(rehearsed).get(path) != value} - REHEARSAL_SIZE_FIELDS
+    assert changed == set(REHEARSAL_OTHER_CHANGES.get(part, {}))   # none listed in vain
+
+
+def test_the_rehearsal_check_fails_on_a_change_it_does_not_list():
+    """An overlay that also set the precision, another learning rate than the one listed, or a
+    GPU config whose listed value moved: each is named (the check does not pass whatever the
+    overlay sets)."""
+    gpu, overlay, _ = _rehearsal_configs("base_lm")
+
+    def changes(edit_overlay=None, edit_gpu=None) -> list[str]:
+        table = merged_texts([yaml.safe_dump(gpu), yaml.safe_dump(edit_gpu or {})])
+        sized = merged_texts([yaml.safe_dump(overlay), yaml.safe_dump(edit_overlay or {})])
+        return undeclared_changes("base_lm", table, sized,
+                                  merged_texts([yaml.safe_dump(table), yaml.safe_dump(sized)]))
+
+    assert changes() == []
+    assert changes({"trainer": {"precision": "32-true"}}) == [
+        "trainer.precision is set by the overlay but listed nowhere",
+        "trainer.precision: '32-true', not 'bf16-mixed'"]
+    assert changes({"model": {"init_args": {"optim": {"lr": 0.01}}}}) == [
+        "model.init_args.optim.lr: 0.01, not 0.005"]
+    assert changes(edit_gpu={"model": {"init_args": {"optim": {"warmup_steps": 200}}}}) == [
+        "model.init_args.optim.warmup_steps is 200 in the GPU config, listed as 300"]

@@ -92,6 +92,9 @@ def test_a_tokenizer_of_a_fit_config_with_no_words(tmp_path, capsys):
      "corpus at plain text files."),
     ("the cat sat\n".encode("utf-16"),
      "is UTF-16 text: convert it to UTF-8 (e.g. iconv -f utf-16 -t utf-8)."),
+    ("the cat sat\n".encode("utf-16-le"),
+     "is UTF-16 text without a byte-order mark (UTF-16LE): convert it to UTF-8 (e.g. iconv -f "
+     "utf-16le -t utf-8)."),
 ])
 def test_a_split_file_that_is_not_text_says_so(content, what, tmp_path, capsys):
     """Not advice to convert from Latin-1, which would turn a binary into nonsense text."""

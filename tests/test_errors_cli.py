@@ -173,6 +173,33 @@ def test_explain_on_an_unbuilt_work_directory_names_the_pipeline_and_creates_not
     assert not wd.exists()
 
 
+@pytest.mark.parametrize("config", [CPU, ["-c", "configs/examples/own_corpus/pipeline.yaml",
+                                          "--corpus.path=null", "--corpus.name=wikitext-2"]])
+def test_a_run_without_gnnlm_data_stops_before_loading_anything(config, tmp_path):
+    """No GNNLM_DATA, online as the environment says, and the Hub not answering (nothing
+    listens on its port): the run once trained or loaded its base LM, then the Hub's client
+    retried five times. Now the config's load says it, in one line, and nothing is made."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GNNLM_DATA", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env.update(GNNLM_CACHE=str(tmp_path / "cache"), HF_ENDPOINT="http://127.0.0.1:9",
+               HF_HOME=str(tmp_path / "hf"))
+    wd = tmp_path / "w"
+    out = subprocess.run([sys.executable, "-m", "gnnlm.cli", "pipeline", *config,
+                          f"--workdir={wd}"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 2
+    line, rerun = out.stderr.strip().splitlines()  # no retries, no model's lines
+    assert line.startswith(f"gnnlm pipeline: error: Corpus 'wikitext-2' not found. Looked in: "
+                           f"$GNNLM_DATA (not set); {tmp_path / 'cache' / 'wikitext-2'}; Hugging "
+                           f"Face datasets ('Salesforce/wikitext', 'wikitext-2-v1') (the Hub is "
+                           f"not reachable: http://127.0.0.1:9: "), line
+    assert rerun == "(rerun with --debug for the traceback)"
+    assert not wd.exists() and not (tmp_path / "cache").exists()
+
+
 SECTIONS = ["name", "workdir", "base_lm", "corpus", "features", "index", "neighbors", "knn", "pq",
             *HEAD_FIELDS, "ablations", "rebuild", "copy_report_to"]
 

@@ -8,7 +8,8 @@ generation with every row of its report, from Python (``gnnlm.load``) and the co
 - ``model``: ``TrainedLM`` (``gnnlm.load``), its parts loaded when a row first needs them;
 - ``scoring``: a text scored as the pipeline scored its splits;
 - ``decoding``: the next-token distribution of text that grows, from scratch or incrementally;
-- ``generation``: greedy and sampled generation;
+- ``generation``: greedy and sampled generation; ``sampling``: its settings, checked without
+  torch;
 - ``hf``: kNN-LM as a Hugging Face ``LogitsProcessor``;
 - ``commands``: ``gnnlm score`` and ``gnnlm generate``; ``explain``: ``gnnlm explain``.
 """

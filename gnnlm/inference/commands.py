@@ -4,7 +4,9 @@
     gnnlm generate runs/wikitext2-cpu --prompt "The game was" --row gnn+knn --max_new_tokens 20
 
 Both only read the work directory: they take no lock (a pipeline running on it goes on) and
-write nothing into it. Bad input is refused before any model is loaded, in one line.
+write nothing into it. Bad input is refused before any model is loaded, in one line; what
+needs no model (the options, the text, the work directory and its rows) before torch is
+imported, at once.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def _parser(command: str, description: str) -> Parser:
     parser = Parser(prog=f"gnnlm {command}", description=description)
     parser.add_argument("workdir", help="a work directory `gnnlm pipeline` built")
     parser.add_argument("--report", default=None,
-                        help="which of its reports (default: its only, or newest, one)")
+                        help="which of its reports (needed when it holds several)")
     parser.add_argument("--knn_k", type=int, help="kNN-LM's neighbours (default: fitted)")
     parser.add_argument("--knn_temperature", type=float,
                         help="kNN-LM's temperature T (default: fitted)")
@@ -48,17 +50,28 @@ def _overrides(namespace: argparse.Namespace) -> dict[str, Any]:
 
 
 def read_text_file(path: str) -> str:
-    """A UTF-8 text file's content, refused in one line when missing or not UTF-8."""
-    file = Path(path)
-    if not file.is_file():
+    """A UTF-8 text file's content, refused in one line when missing or not UTF-8 text (the
+    corpus reader's checks: a binary, an archive, UTF-16 are named as such)."""
+    from gnnlm.text.text_files import read_text
+
+    if not Path(path).is_file():
         raise NotServed(f"No file {path}: give a text file to score.")
-    raw = file.read_bytes()
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise NotServed(f"{path} is not UTF-8 text: byte 0x{raw[err.start]:02x} at offset "
-                        f"{err.start} cannot be decoded. Convert the file to UTF-8 (e.g. iconv "
-                        f"-f latin1 -t utf-8).") from None
+        return read_text(path, give="give a plain text file to score")
+    except ValueError as err:
+        raise NotServed(str(err)) from None
+
+
+def check_served(workdir: str, report: Optional[str], rows: list[str]) -> None:
+    """The work directory, its report and the ``rows`` asked for, checked from the report alone
+    (``Served``, no torch): a mistake there is answered at once, not after torch and the
+    models have loaded (seconds)."""
+    from gnnlm.inference.served import Served
+    from gnnlm.workdir.layout import Workdir
+
+    served = Served(Workdir(workdir), report)
+    for row in rows:
+        served.check_row(row)
 
 
 def _notes(command: str, caught: list) -> None:
@@ -82,6 +95,7 @@ def score_main(args: list[str]) -> dict:
     text = namespace.text if namespace.file is None else read_text_file(namespace.file)
     if not text.strip():
         raise NotServed("the text is empty: give at least one word to score.")
+    check_served(namespace.workdir, namespace.report, namespace.rows or [])
     from gnnlm.inference.model import TrainedLM
 
     lm = TrainedLM(namespace.workdir, namespace.report)
@@ -126,12 +140,13 @@ def generate_main(args: list[str]) -> Optional[list]:
     parser.add_argument("--show-retrieval", dest="show_retrieval", action="store_true",
                         help="per generated token, the top retrieved train context")
     namespace = parser.parse_args(args)
-    from gnnlm.inference.generation import check_sampling
+    from gnnlm.inference.sampling import check_sampling
 
     check_sampling(namespace.max_new_tokens, namespace.greedy, namespace.temperature,
                    namespace.top_k, namespace.top_p)
     if not namespace.prompt.strip():
         raise NotServed("the prompt is empty: give at least one word to continue.")
+    check_served(namespace.workdir, namespace.report, [namespace.row])
     from gnnlm.inference.explain import train_context
     from gnnlm.inference.model import TrainedLM
 

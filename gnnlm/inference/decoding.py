@@ -37,10 +37,11 @@ from gnnlm.gnn.incremental import ContextStates
 from gnnlm.gnn.trained import TrainedGNN
 from gnnlm.inference.heads import FeatureHead, FinetunedSpalm, SegmentSpalm
 from gnnlm.inference.served import NotServed, RowSettings
-from gnnlm.models.base import BaseLM, Features
+from gnnlm.models.base import BaseLM, Features, float32
 from gnnlm.models.decode import StreamDecoder, stream_features
 from gnnlm.models.gpt import GPT, KVCache
 from gnnlm.pipeline import rows
+from gnnlm.pipeline.precision import FLOAT32, served_in
 from gnnlm.retrieval.knn import interpolate, interpolate_support, knn_support
 from gnnlm.retrieval.lookup import stored
 
@@ -153,6 +154,7 @@ class Decoder:
         # kNN-LM over the base LM (knn) or over a head (gnn+knn, <head>+knn)
         self.knn = lm.served.retrieval(row) if served.knn else None
         self.head = None if served.on_base_lm else lm.head(row)
+        self.precision = lm.served.precision(row)  # the head runs as predict scored it
         self.with_base = served.interpolation and self.knn is None  # <head>+base
         self.gnn = GNNReader(lm, self.head, incremental) if isinstance(self.head, TrainedGNN) \
             else None
@@ -189,7 +191,9 @@ class Decoder:
     def features(self) -> Features:
         """The frozen LM's features [B, n, d] of the positions from ``_first`` on."""
         if self._features is None:
-            self._features = self.frozen.append(torch.cat(self._pending, dim=1), self._first)
+            with served_in(FLOAT32):  # the datastore's float32, also inside a head's autocast
+                self._features = self.frozen.append(torch.cat(self._pending, dim=1),
+                                                    self._first)
             self._pending = []
         return self._features
 
@@ -198,7 +202,9 @@ class Decoder:
         if (key, metric) not in self._found:
             queries = getattr(self.features(), key)                      # [B, n, d]
             B, n, d = queries.shape
-            sims, ids = self.lm.lookup(key, metric).search(queries.reshape(B * n, d).numpy())
+            with served_in(FLOAT32):  # searched as the neighbours stage searched
+                sims, ids = self.lm.lookup(key, metric).search(
+                    queries.reshape(B * n, d).numpy())
             self._found[(key, metric)] = sims.reshape(B, n, -1), ids.reshape(B, n, -1)
         return self._found[(key, metric)]
 
@@ -240,7 +246,9 @@ class Decoder:
     def _output(self, h: Tensor) -> Tensor:
         """log-softmax of ``h`` [B, d] through the base LM's output embedding."""
         weight, bias = self.lm.output_embedding
-        return torch.log_softmax(self.lm.logit_transform(F.linear(h.float(), weight, bias)), -1)
+        with float32(h):  # the softmax stays in float32, as in GNNLM.forward
+            return torch.log_softmax(self.lm.logit_transform(F.linear(h.float(), weight, bias)),
+                                     -1)
 
     def gnn_logprobs(self) -> Tensor:
         assert isinstance(self.head, TrainedGNN) and self.gnn is not None
@@ -252,6 +260,11 @@ class Decoder:
         return self._output(h)
 
     def head_logprobs(self, tokens: Tensor) -> Tensor:
+        """The head's log p [B, V], under the autocast its row was scored in."""
+        with served_in(self.precision):
+            return self._head_logprobs(tokens)
+
+    def _head_logprobs(self, tokens: Tensor) -> Tensor:
         head = self.head
         if isinstance(head, TrainedGNN):
             return self.gnn_logprobs()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from gnnlm.inference.decoding import Decoder
-from gnnlm.inference.served import NotServed
+from gnnlm.inference.sampling import check_sampling
 
 if TYPE_CHECKING:
     from gnnlm.inference.model import Text, TrainedLM
@@ -48,27 +48,14 @@ class Generation:
     distributions: Optional[Tensor] = None
 
 
-def check_sampling(max_new_tokens: int, greedy: bool, temperature: Optional[float],
-                   top_k: Optional[int], top_p: Optional[float]) -> None:
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise NotServed(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
-    if greedy and any(v is not None for v in (temperature, top_k, top_p)):
-        raise NotServed("greedy decoding takes the most likely token: leave temperature, top_k "
-                        "and top_p unset, or sample (greedy off).")
-    if temperature is not None and not temperature > 0:
-        raise NotServed(f"temperature must be > 0 (got {temperature}).")
-    if top_k is not None and (int(top_k) != top_k or top_k < 1):
-        raise NotServed(f"top_k must be a positive integer (got {top_k}).")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise NotServed(f"top_p must lie in (0, 1] (got {top_p}).")
-
-
 def choose(logprobs: Tensor, greedy: bool, temperature: Optional[float], top_k: Optional[int],
            top_p: Optional[float], generator: torch.Generator) -> Tensor:
     """The next token of each row of ``logprobs`` [B, V]: [B] int64."""
     if greedy:
         return logprobs.argmax(-1)
-    scores = logprobs / (temperature or 1.0)
+    # from the best token's 0 down: a tiny temperature sends the others to -inf, never the
+    # best one (the softmax of all -inf is NaN)
+    scores = (logprobs - logprobs.max(-1, keepdim=True).values) / (temperature or 1.0)
     if top_k is not None and top_k < scores.shape[-1]:
         kth = scores.topk(int(top_k), dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, -torch.inf)

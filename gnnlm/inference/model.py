@@ -11,7 +11,9 @@ A row is what the report's table calls it, with the settings the pipeline fitted
 ``gnn_k``). ``score`` reads a text as the pipeline read its splits (``gnnlm.inference.scoring``):
 on a split's own tokens it gives the report's per-token scores. ``next_token_logprobs`` and
 ``generate`` read text that grows (``gnnlm.inference.decoding``): the base LM's sliding windows
-without an end, one retrieval per new token, GNN-LM's context nodes appended.
+without an end, one retrieval per new token, GNN-LM's context nodes appended. Every route reads a
+text as the stream the pipeline read, under the BOS rule its features record (``gnnlm.text.bos``):
+BOS first, whatever the tokenizer adds; ``prompt_ids`` gives that stream to Hugging Face.
 
 Nothing is loaded before a row needs it: the base LM and the tokenizer first, then the index
 (train keys and targets stay memory-mapped), a head's weights, and GNN-LM's window states, each
@@ -36,6 +38,7 @@ from gnnlm.models import BaseLM, hf_options, is_hf, load_base_lm
 from gnnlm.models.base import LogitTransform
 from gnnlm.retrieval.features import load_output_embedding
 from gnnlm.retrieval.lookup import Lookup
+from gnnlm.text.bos import BosRule
 from gnnlm.text.tokens import TokenStore
 from gnnlm.workdir.artifacts import ArtifactError
 from gnnlm.workdir.layout import Workdir
@@ -58,8 +61,9 @@ class TrainedLM:
         # the windows of the datastore (a split shorter than them was read in one window)
         config = self.features["config"]
         self.context, self.stride = int(config["context"]), int(config["stride"])
-        self.bos_id = int(self.store.bos_id)
-        self.bos_each_window = bool(self.features.get("bos_each_window", False))
+        # the BOS rule the features were built under, applied by every route (gnnlm.text.bos)
+        self.bos = BosRule.recorded(self.features, self.store.manifest)
+        self.bos_id, self.bos_each_window = self.bos.id, self.bos.each_window
         self.vocab_size = int(self.features["vocab_size"])
         self.logit_transform = LogitTransform.of(self.features["base_lm"])
         self._lookups: dict[tuple[str, str], Lookup] = {}
@@ -160,7 +164,8 @@ class TrainedLM:
     def encode(self, text: Text, prompt: bool = False) -> np.ndarray:
         """Token ids of ``text`` (ids are taken as they are), as the corpus was tokenized: every
         line ends with the tokenizer's end of line (``<eos>``, a newline). A prompt is continued
-        where it stops: its last line stays open unless the text ends with a newline."""
+        where it stops: its last line stays open unless the text ends with a newline. Ids are
+        the text's tokens in every route, BOS being put before them (``prompt_ids``)."""
         if isinstance(text, str):
             tokenizer = self.store.tokenizer
             ids = tokenizer.encode_prompt(text) if prompt else tokenizer.encode(text)
@@ -172,6 +177,14 @@ class TrainedLM:
         if len(ids) == 0:
             raise NotServed("the text is empty: give at least one token of text.")
         return np.asarray(ids, dtype=np.int64)
+
+    def prompt_ids(self, prompt: Text) -> list[int]:
+        """The stream a prompt is read as under the work directory's BOS rule: BOS, then its
+        tokens (``encode(prompt, prompt=True)``). What Hugging Face's ``generate`` must be given
+        as ``input_ids`` (``torch.tensor([lm.prompt_ids(prompt)])``) to read what
+        ``next_token_logprobs`` and ``generate`` read; its tokens after BOS are the ids to give
+        those (``prompt_ids(prompt)[1:]``)."""
+        return [int(i) for i in self.bos.stream(self.encode(prompt, prompt=True))]
 
     def decode(self, ids) -> str:
         return self.store.tokenizer.decode([int(i) for i in ids])
@@ -220,5 +233,5 @@ class TrainedLM:
 
 def load(workdir: Union[str, Path], report: Optional[str] = None) -> TrainedLM:
     """A work directory that ``gnnlm pipeline`` built, as a language model (``TrainedLM``);
-    ``report``: which of its reports' rows and settings (default: its only, or newest, one)."""
+    ``report``: which of its reports' rows and settings (needed when it holds several)."""
     return TrainedLM(workdir, report)

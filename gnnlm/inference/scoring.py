@@ -20,7 +20,9 @@ a split's own tokens every row gives the report's per-token scores:
   (``gnnlm.models.segments``): scores of a text depend on how many streams it is cut into, as
   the report's do.
 
-Each row's ``Score`` carries its protocol (``gnnlm.models.protocols``).
+Each row's ``Score`` carries its protocol (``gnnlm.models.protocols``). A head runs under the
+autocast its row was scored in (``gnnlm.pipeline.precision``: bf16 for a GPU preset's heads), the
+base LM and the searches in float32, as the features and neighbours stages ran.
 """
 from __future__ import annotations
 
@@ -38,10 +40,11 @@ from gnnlm.gnn.trained import TrainedGNN
 from gnnlm.inference.heads import FeatureHead, FinetunedSpalm, SegmentSpalm
 from gnnlm.inference.served import NotServed, RowSettings
 from gnnlm.models import protocols
-from gnnlm.models.base import BaseLM
+from gnnlm.models.base import BaseLM, float32
 from gnnlm.models.encode import encode_windows, stream_tensor
 from gnnlm.models.segments import StreamSegments
 from gnnlm.pipeline import rows
+from gnnlm.pipeline.precision import FLOAT32, served_in
 from gnnlm.retrieval.knn import interpolate, knn_lm_logprob
 from gnnlm.retrieval.lookup import stored
 from gnnlm.retrieval.neighbors import neighbor_hits
@@ -87,8 +90,10 @@ class Inputs:
 
     @cached_property
     def frozen(self) -> dict[str, np.ndarray]:
-        """``final``, ``att`` float32 [n, d] and ``logprob`` [n] of the base LM."""
-        return encode(self.lm.base_lm, self.ids, self.lm, with_logprob=True)
+        """``final``, ``att`` float32 [n, d] and ``logprob`` [n] of the base LM (in float32, as
+        the features stage encodes, also when a head's autocast asks for them first)."""
+        with served_in(FLOAT32):
+            return encode(self.lm.base_lm, self.ids, self.lm, with_logprob=True)
 
     def stored(self, key: str) -> np.ndarray:
         """The ``key`` features as the datastore holds them (float16 values, float32 array)."""
@@ -99,8 +104,9 @@ class Inputs:
     def neighbours(self, key: str, metric: str) -> tuple[np.ndarray, np.ndarray]:
         """``(sims, ids)`` [n, K] of every position, as a neighbours file holds them."""
         if (key, metric) not in self._neighbours:
-            self._neighbours[(key, metric)] = self.lm.lookup(key, metric).search(
-                self.stored(key))
+            with served_in(FLOAT32):  # searched as the neighbours stage searched
+                self._neighbours[(key, metric)] = self.lm.lookup(key, metric).search(
+                    self.stored(key))
         return self._neighbours[(key, metric)]
 
     def values(self, key: str, metric: str, k: int) -> torch.Tensor:
@@ -170,14 +176,15 @@ def row_logprobs(inputs: Inputs, row: str, settings: RowSettings) -> tuple[np.nd
         alone = row_logprobs(inputs, head_row, lm.settings(head_row))[0]
         return interpolate(inputs.frozen["logprob"], alone, settings.weight), sliding
     head = lm.head(row)
-    if isinstance(head, TrainedGNN):
-        return gnn_logprobs(inputs, head, int(settings.gnn_k or head.graph.k)), sliding
-    if isinstance(head, FeatureHead):
-        return feature_head_logprobs(inputs, head), sliding
-    if isinstance(head, FinetunedSpalm):
-        return finetuned_spalm_logprobs(inputs, head), sliding
-    if isinstance(head, SegmentSpalm):
-        return segment_logprobs(inputs, head)
+    with served_in(lm.served.precision(row)):  # predict's autocast (bf16 under gpu.yaml)
+        if isinstance(head, TrainedGNN):
+            return gnn_logprobs(inputs, head, int(settings.gnn_k or head.graph.k)), sliding
+        if isinstance(head, FeatureHead):
+            return feature_head_logprobs(inputs, head), sliding
+        if isinstance(head, FinetunedSpalm):
+            return finetuned_spalm_logprobs(inputs, head), sliding
+        if isinstance(head, SegmentSpalm):
+            return segment_logprobs(inputs, head)
     raise NotServed(f"row {row!r} cannot be scored here.")
 
 
@@ -225,7 +232,8 @@ def gnn_logprobs(inputs: Inputs, gnn: TrainedGNN, k: int) -> np.ndarray:
             retrieved[b, :end - start] = torch.from_numpy(
                 select_neighbors(neighbour_ids[start:end], k))
         h = states(x, context_layout(mask, retrieved, graph))[mask]        # [n_b, d]
-        logits = lm.logit_transform(F.linear(h.float(), weight, bias))
+        with float32(h):  # the softmax stays in float32, as in GNNLM.forward
+            logits = lm.logit_transform(F.linear(h.float(), weight, bias))
         lo, hi = blocks[0][0], blocks[-1][1]
         out[lo:hi] = _nll_of(logits, inputs.targets[lo:hi])
     return out

@@ -2,22 +2,25 @@
 
 ``gnnlm pipeline`` ends by writing ``reports/<name>/results.json``: every row it scored, and for
 each interpolation what it fitted on valid (kNN-LM's k, T and λ; GNN+kNN's; a learned W_ds's λ
-with the base LM). GNN-LM's evaluation k, chosen on valid, is in its model's manifest
+with the base LM). It is served only as written and only with the artifacts it was computed
+from (``gnnlm.workdir.reports``): an edited report, or one the work directory's artifacts have
+been rebuilt after, is refused. GNN-LM's evaluation k, chosen on valid, is in its model's manifest
 (``gnnlm.gnn.trained``). Those are a row's defaults here; any can be overridden per call
 (``RowSettings``), and is checked as the pipeline's config checks it.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from gnnlm.pipeline import rows
+from gnnlm.pipeline.precision import row_precision
 from gnnlm.retrieval.settings import check_lambda, check_temperature
 from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.reports import check_report
 
 
 class NotServed(ValueError):
@@ -71,7 +74,7 @@ class RowSettings:
 
 
 def find_report(workdir: Workdir, report: Optional[str]) -> Path:
-    """``reports/<report>/results.json`` (None: the one report, or the newest of several)."""
+    """``reports/<report>/results.json`` (None: the one report; of several, none is guessed)."""
     if not workdir.root.is_dir():
         raise NotServed(f"{workdir.root} does not exist: give the work directory a `gnnlm "
                         f"pipeline` run built (its config's `workdir`).")
@@ -82,13 +85,16 @@ def find_report(workdir: Workdir, report: Optional[str]) -> Path:
             raise NotServed(f"{workdir.root} has no report {report!r} (it has "
                             f"{', '.join(names) or 'none'}).")
         return path
-    found: list[Path] = sorted(workdir.root.glob("reports/*/results.json"),
-                               key=lambda p: p.stat().st_mtime)
+    found: list[Path] = sorted(workdir.root.glob("reports/*/results.json"))
     if not found:
         raise NotServed(f"{workdir.root} is not a built gnnlm work directory: it holds no "
                         f"reports/<name>/results.json. Run `gnnlm pipeline` with the config "
                         f"whose `workdir` it is, to the end, then use it.")
-    return found[-1]
+    if len(found) > 1:  # the newest need not describe what the work directory holds: ask
+        raise NotServed(f"{workdir.root} holds several reports "
+                        f"({', '.join(p.parent.name for p in found)}): name the one to serve "
+                        f"(report= in gnnlm.load, --report on the command line).")
+    return found[0]
 
 
 class Served:
@@ -96,13 +102,17 @@ class Served:
 
     ``rows``: every row the report scored, in table order. ``settings(row)``: its defaults.
     ``retrieval(row)``: the key, similarity and kNN-cache scores of a kNN-LM part.
+    ``precision(row)``: the precision it was scored in, which serves it.
     """
 
     def __init__(self, workdir: Workdir, report: Optional[str] = None):
         self.workdir = workdir
         self.path = find_report(workdir, report)
         self.name = self.path.parent.name
-        self.results = json.loads(self.path.read_text())
+        try:  # sealed, and made from the artifacts the work directory holds now
+            self.results = check_report(self.path, workdir.root)
+        except ArtifactError as err:
+            raise NotServed(str(err)) from None
         try:
             features = workdir.features_manifest("train")
         except ArtifactError as err:
@@ -134,6 +144,18 @@ class Served:
         return RowSettings(
             knn_k=fitted.get("k"), knn_temperature=fitted.get("temperature"),
             lam=fitted.get("lambda"), gnn_k=gnn_k if self.row(row).head == rows.GNN else None)
+
+    def precision(self, row: str) -> str:
+        """The precision the report scored ``row`` in (``gnnlm.pipeline.precision``): as the
+        report records it, or for a report written before it did, as its head's manifest says."""
+        recorded = self.results.get("precisions", {}).get(row)
+        if recorded is not None:
+            return str(recorded)
+        head = self.row(row).head
+        if head is None:
+            return row_precision(row, {})
+        manifest = read_manifest(self.workdir.model(self.head_folder(row)), kind="trained_model")
+        return row_precision(row, {head: manifest})
 
     def retrieval(self, row: str) -> tuple[str, str, str]:
         """``(key, metric, scores)`` of the kNN-LM a row interpolates with."""

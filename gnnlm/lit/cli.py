@@ -66,12 +66,21 @@ class GnnlmCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         """The config's trainer, with the callback that hands the model the work directory's
         arrays it reads (``gnnlm.lit.datastore``): every command gets it, whatever the
-        config's ``trainer.callbacks`` list says."""
+        config's ``trainer.callbacks`` list says; and its rich progress bar an ``EpochBar``."""
         from gnnlm.lit.datastore import AttachDatastore
 
         trainer = super().instantiate_trainer(**kwargs)
         # (Lightning sets Trainer.callbacks in a connector, so its type does not declare it)
         trainer.callbacks.append(AttachDatastore())  # type: ignore[attr-defined]
+        # Lightning's rich bar (its default, or a config's, settings kept) as ``EpochBar``:
+        # no "Epoch 0/-2" when max_steps bounds training; the class adds no state of its own
+        from pytorch_lightning.callbacks import RichProgressBar
+
+        from gnnlm.lit.progress_log import EpochBar
+
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if type(callback) is RichProgressBar:
+                callback.__class__ = EpochBar
         return trainer
 
     def parse_arguments(self, parser, args) -> None:

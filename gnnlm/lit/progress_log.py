@@ -8,6 +8,10 @@ other progress lines (``gnnlm.utils.progress``), one line at most every ``GNNLM_
     fit GNNLM: step 410/1368 (30%), epoch 1/2, 1.71 steps/s, 4:00 elapsed, ETA 9:20, train/loss 6.31
 
 On a terminal with the bar on, it stays silent; ``GNNLM_QUIET=1`` silences it too.
+
+``EpochBar`` is Lightning's rich bar (every ``gnnlm`` fit's, ``gnnlm.lit.cli``) with an epoch
+total only where the epoch count bounds training: Lightning's own says ``Epoch 0/-2`` when
+``max_steps`` does (``max_epochs`` is then -1), and a redirected log keeps its last frame.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import time
 from typing import Any, Optional
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback, Timer
+from pytorch_lightning.callbacks import Callback, RichProgressBar, Timer
 from pytorch_lightning.trainer.states import TrainerFn
 
 from gnnlm.utils.progress import format_seconds, say
@@ -108,9 +112,28 @@ def epoch_part(current_epoch: int, max_epochs: Optional[int], max_steps: Optiona
     ``current_epoch`` counts the epochs begun, and once the last has ended it is one past them,
     so the count is kept to the total (a log's final line says ``epoch 2/2``, not ``3/2``)."""
     epoch = current_epoch + 1
-    if max_epochs is None or max_epochs < 1 or (max_steps is not None and max_steps >= 0):
+    if max_epochs is None or not epochs_bound(max_epochs, max_steps):
         return f"epoch {epoch}"
     return f"epoch {min(epoch, max_epochs)}/{max_epochs}"
+
+
+def epochs_bound(max_epochs: Optional[int], max_steps: Optional[int]) -> bool:
+    """Whether the epoch count ends training: ``max_epochs`` is set (not Lightning's -1) and
+    no ``max_steps`` may end it first."""
+    return max_epochs is not None and max_epochs >= 1 and (max_steps is None or max_steps < 0)
+
+
+class EpochBar(RichProgressBar):
+    """Lightning's rich progress bar, whose train line reads ``Epoch 0`` rather than
+    ``Epoch 0/-2`` when the epoch count does not bound training (``epochs_bound``); else as
+    Lightning's (``Epoch 0/1`` of 2, counted from 0)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        epochs, description = self.trainer.max_epochs, f"Epoch {current_epoch}"
+        if epochs is not None and epochs_bound(epochs, self.trainer.max_steps):
+            description += f"/{epochs - 1}"
+        # as wide as the validation line, as Lightning pads it (no flicker between the two)
+        return f"{description:{len(self.validation_description)}}"
 
 
 def resume_line(name: str, path: str, checkpoint: dict) -> str:

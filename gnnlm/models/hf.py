@@ -199,6 +199,12 @@ class HFCausalLM(BaseLM):
             raise ValueError(f"No {key} feature was captured: run the model first.")
         return self._captured[key]
 
+    def take_captured(self, key: str) -> Optional[Tensor]:
+        """The ``key`` feature of the last forward pass, forgotten once taken: None when the
+        model has not run since it was last taken."""
+        captured, self._captured = self._captured.get(key), {}
+        return captured
+
     def remove_hooks(self) -> None:
         """Take the feature hooks off the model."""
         for hook in self._hooks:

@@ -21,8 +21,9 @@ at most the ``neighbors.train_queries`` positions that have train neighbours (``
 unset: every position that has them), with every count of windows (``graph.k``, ...) >= 1
 (the graph's are ``GraphConfig``'s own checks).
 
-``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU, and an
-``hf:<folder>`` base LM whose folder is not there. Settings
+``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU, an
+``hf:<folder>`` base LM whose folder is not there, and a corpus neither here nor downloadable
+now. Settings
 out of range within one section are each dataclass's own check (``gnnlm.pipeline.config``).
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ from gnnlm.models.settings import (
     no_context,
 )
 from gnnlm.pipeline.config_files import merged_yaml, yaml_list
+from gnnlm.pipeline.run_corpus import check_run_corpus
 from gnnlm.text.corpus import locate_corpus
 from gnnlm.text.settings import TokenizerConfig, tokenizer_settings
 from gnnlm.utils.devices import check_accelerator, check_available, check_faiss_available
@@ -264,11 +266,15 @@ def data_reads(data: Namespace) -> frozenset[str]:
     """What a parsed ``gnnlm fit`` data section's class reads of the pipeline's retrieval
     artifacts: its ``reads`` (``datamodules``: ``neighbors``, ``pq``); a data module that declares
     nothing reads none of them. Imports the class (the parse already has)."""
+    return frozenset(getattr(_data_class(data), "reads", frozenset()))
+
+
+def _data_class(data: Namespace) -> type:
+    """A parsed data section's class (imported: the parse already has)."""
     import importlib
 
     module, _, name = str(data.class_path).rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    return frozenset(getattr(cls, "reads", frozenset()))
+    return getattr(importlib.import_module(module), name)
 
 
 def reads_pq(data: Namespace) -> bool:
@@ -282,12 +288,27 @@ def check_head(cfg: PipelineConfig, row: str, paths: list[str], data: Namespace)
     """A head's parsed data section (``gnnlm.pipeline.training.check_fit_config``) against the
     retrieval artifacts the pipeline builds, when it reads neighbours (its class's ``reads``,
     or ``retrieved`` > 0): the same key and similarity, at most ``neighbors.K`` neighbours per
-    token, at most ``neighbors.train_queries`` train positions, every count of windows >= 1."""
+    token, at most ``neighbors.train_queries`` train positions, every count of windows >= 1.
+    Then, for every head, its data module's own checks of its arguments (``check_arguments``),
+    which would otherwise run only when the head's stage begins."""
     args = data.init_args
-    retrieved = int(args.get("retrieved") or 0)
-    if "neighbors" not in data_reads(data) and retrieved <= 0:
-        return
     where = f"the {row} config ({' + '.join(paths)})"
+    if "neighbors" in data_reads(data) or int(args.get("retrieved") or 0) > 0:
+        _check_retrieval(cfg, where, args)
+    values = {**args.as_dict(), "graph": _check_counts(where, args)}
+    try:  # a data module of gnnlm's (WorkdirDataModule) has them
+        getattr(_data_class(data), "check_arguments", lambda **_: None)(**values)
+    except ValueError as err:  # its message starts with the argument's name
+        key, line = str(err).split(" ", 1)[0], f"{where}: data.init_args.{err}"
+        setters = [p for p in paths
+                   if key in ((merged_yaml([p]).get("data") or {}).get("init_args") or {})]
+        raise ValueError(line.rstrip(".") + f"; {setters[-1]} sets it." if setters
+                         else line) from None
+
+
+def _check_retrieval(cfg: PipelineConfig, where: str, args: Namespace) -> None:
+    """``check_head``'s checks of a head that reads neighbours."""
+    retrieved = int(args.get("retrieved") or 0)
     graph = _check_counts(where, args)
     for name, expected in (("key", cfg.knn.primary), ("metric", cfg.knn.metric)):
         value = args.get(name)
@@ -297,14 +318,16 @@ def check_head(cfg: PipelineConfig, row: str, paths: list[str], data: Namespace)
                              f"{cfg.knn.primary!r} under knn.metric = {cfg.knn.metric!r}.")
     graph_k = graph.k if graph is not None else 0
     eval_ks = [int(k) for k in args.get("eval_ks") or []]
-    k = max([graph_k, retrieved, *eval_ks])
+    schedule = [int(step[-1]) for step in args.get("k_schedule") or [] if step]
+    k = max([graph_k, retrieved, *eval_ks, *schedule])
     K = cfg.neighbors.K
     if k > K:
         # which settings ask for more than the K stored neighbours of each token
-        above = [k for k in eval_ks if k > K]
+        above = {name: [k for k in ks if k > K] for name, ks in (("eval_ks", eval_ks),
+                                                                 ("k_schedule", schedule))}
         too_many = [f"{name} = {value}" for name, value in (("graph.k", graph_k),
                                                              ("retrieved", retrieved))
-                    if value > K] + ([f"eval_ks {above}"] if above else [])
+                    if value > K] + [f"{name} {ks}" for name, ks in above.items() if ks]
         raise ValueError(f"{where} keeps k = {k} neighbours per token ({', '.join(too_many)}) "
                          f"but neighbors.K = {K} are stored: lower them to at most {K}, or "
                          f"raise neighbors.K.")
@@ -449,7 +472,8 @@ def check_machine(cfg: PipelineConfig) -> None:
     ``trainer.accelerator`` of every trained part the pipeline runs; and for a model folder
     (``base_lm.ckpt: hf:<folder>``), that it is there. Checked by the commands
     that run those stages (``gnnlm pipeline``), not by those that read their results (a GPU
-    config is fine for ``gnnlm sweep`` on a laptop)."""
+    config is fine for ``gnnlm sweep`` on a laptop). Then the corpus: here, or to download
+    (``gnnlm.pipeline.run_corpus``), before any model loads."""
     if cfg.base_lm.ckpt is not None and is_hf(cfg.base_lm.ckpt):
         check_hf_folder(cfg.base_lm.ckpt)  # a model folder on this machine
     check_available(cfg.features.device, "features.device")
@@ -458,3 +482,4 @@ def check_machine(cfg: PipelineConfig) -> None:
         trainer = merged_yaml(chain).get("trainer") or {}
         check_accelerator(trainer.get("accelerator"),
                           f"the `gnnlm fit` config {' + '.join(chain)}")
+    check_run_corpus(cfg)

@@ -34,6 +34,7 @@ import numpy as np
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.pipeline import data_checks, per_word, rows
+from gnnlm.pipeline.precision import row_precision
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.sweep import write_heatmap
 from gnnlm.retrieval import sanity
@@ -46,6 +47,7 @@ from gnnlm.utils.metrics import ppl_from_logprobs
 from gnnlm.utils.provenance import code_version
 from gnnlm.workdir.artifacts import write_json_atomic
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.reports import seal
 
 # the plots every report with a kNN row writes (``{key}``: each key type), beside the SPALM rows'
 # ``<row>_gate_hist.png`` and the ablations' curves when those ran
@@ -292,13 +294,14 @@ def data_line(results: dict) -> str:
 def training_notes(results: Results) -> list[dict]:
     """The trained parts (the base LM trained here, the heads) whose training was not one run to
     its end: resumed after a stop (weights, optimiser and loop counters are restored, so the
-    result is close to an uninterrupted run's, not equal to it), or stopped by ``max_time``
-    before ``max_steps``. Each: the row and its manifest's ``training`` record."""
+    result is close to an uninterrupted run's, not equal to it), stopped by ``max_time``
+    before ``max_steps``, or diverged. Each: the row and its manifest's ``training`` record."""
     parts = {rows.BASE: results.base_lm_manifest, **results.heads}
     notes = []
     for name, manifest in parts.items():
         training = manifest.get("training") or {}
-        if training.get("resumed_from_steps") or training.get("stopped_by") == "max_time":
+        if training.get("resumed_from_steps") or training.get("stopped_by") in (
+                "max_time", "diverged"):
             notes.append({"row": name, **training})
     return notes
 
@@ -314,6 +317,8 @@ def training_lines(results: dict) -> list[str]:
             bound = note.get("max_steps", -1)  # -1: bound by epochs, not steps
             said.append(f"stopped by max_time at step {note['steps']}"
                         + (f" of max_steps {bound}" if bound > 0 else ""))
+        if note.get("stopped_by") == "diverged":  # its validation metric became NaN or inf
+            said.append(f"diverged at step {note['steps']} (kept step {note.get('kept_step')})")
         lines.append(f"{_label(results, note['row'])}: {'; '.join(said)}")
     return lines
 
@@ -457,7 +462,8 @@ def rows_on_the_base_lm(names: list[str], heads: dict, row_protocol: dict) -> li
 def write_report(workdir: Workdir, results: Results) -> dict:
     """``reports/<name>/``: results.json and results.md (the tables by protocol, the data's
     checks and warnings, the analyses, retrieval and build times), the per-token test scores
-    and the plots. Returns results.json's dict."""
+    and the plots. results.json is sealed (``gnnlm.workdir.reports``: the artifacts it was
+    computed from, its own sha256). Returns results.json's dict."""
     out = workdir.report(results.name)
     out.mkdir(parents=True, exist_ok=True)
     test_n = results.test_tokens
@@ -486,6 +492,7 @@ def write_report(workdir: Workdir, results: Results) -> dict:
     report["plots"] = sorted(p.name for p in out.glob("*.png"))
     test_scores: dict[str, Any] = {k: v["test"] for k, v in results.scores.items()}
     np.savez_compressed(out / "test_logprobs.npz", **test_scores)
+    report = seal(report, workdir.root)  # what it was computed from, and its own sha256
     write_json_atomic(out / "results.json", report)
     (out / "results.md").write_text(_markdown(report))
     return report
@@ -493,7 +500,7 @@ def write_report(workdir: Workdir, results: Results) -> dict:
 
 def _tables(results: Results) -> dict:
     """What the tables show: every row's test and valid perplexity, how it was scored (its
-    protocol and mean left context), its deviations from its paper, the fitted
+    protocol, mean left context and precision), its deviations from its paper, the fitted
     hyper-parameters, the base LM and the retrieval behind the kNN rows."""
     scores, heads, test_n = results.scores, results.heads, results.test_tokens
     names = rows.order(scores)
@@ -514,6 +521,8 @@ def _tables(results: Results) -> dict:
         "name": results.name, "dataset": results.dataset, "split": "test",
         "tokens": test_n, "protocol": results.features["test"]["protocol"],
         "protocols": row_protocol,
+        # each row's scoring precision (a head's trainer precision), served the same way
+        "precisions": {name: row_precision(name, heads) for name in names},
         "mean_left_context": {name: float(protocols.left_context(p, test_n).mean())
                               for name, p in row_protocol.items() if p["kind"] != "unrecorded"},
         "deviations": {name: heads[name]["deviations"] for name in names

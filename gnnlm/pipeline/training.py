@@ -184,6 +184,8 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
             extra["predict_seconds"] = round(time.perf_counter() - t_scoring, 2)
             extra.update(predict_extras(cli.model))
             extra["protocol"] = scoring_protocol(cli.model, cli.datamodule, workdir)
+            # what predict's autocast was: gnnlm.inference serves the row the same way
+            extra["precision"] = str(cli.trainer.precision)
         builder.file(INITIAL_WEIGHTS).unlink(missing_ok=True)
         manifest = builder.finish(extra=extra)
     run.clean_up()
@@ -322,24 +324,49 @@ def how_training_ended(trainer, training: dict) -> dict:
     """What the manifest records of how a fit went: the optimiser steps it took, the steps it
     was resumed from (``TrainingRun.start``), and ``stopped_by``: "max_time" when the time limit
     ended it before ``max_steps`` (its weights are then those of a shorter training than the
-    config names), else "max_steps", "max_epochs" or "early stopping". ``fit_with_cli`` adds
-    ``kept_step``, the step whose weights are kept (0: the starting ones), and ``valid_curve``,
-    the monitored metric at every validation (step 0: before training)."""
+    config names), "diverged" when EarlyStopping stopped it because its monitored metric became
+    NaN or infinite (or crossed its ``divergence_threshold``), else "max_steps", "max_epochs" or
+    "early stopping". ``fit_with_cli`` adds ``kept_step``, the step whose weights are kept (0:
+    the starting ones), and ``valid_curve``, the monitored metric at every validation (step 0:
+    before training)."""
     from pytorch_lightning.callbacks import Timer
 
     steps, max_steps = int(trainer.global_step), trainer.max_steps
     timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
     remaining = timer.time_remaining() if timer is not None else None
-    if max_steps is not None and 0 <= max_steps <= steps:
+    if diverged(trainer):  # whatever bound it also reached, it stopped being trained there
+        stopped_by = "diverged"
+    elif max_steps is not None and 0 <= max_steps <= steps:
         stopped_by = "max_steps"
     elif remaining is not None and remaining <= 0:
         stopped_by = "max_time"
-    elif trainer.max_epochs is not None and trainer.current_epoch >= trainer.max_epochs:
-        stopped_by = "max_epochs"
+    elif trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch:
+        stopped_by = "max_epochs"  # (-1: no bound on epochs)
     else:
         stopped_by = "early stopping"
     return {"steps": steps, "max_steps": max_steps, "stopped_by": stopped_by,
             "resumed_from_steps": list(training.get("resumed_from_steps", []))}
+
+
+def diverged(trainer) -> bool:
+    """Whether an EarlyStopping callback stopped the fit because its metric diverged: NaN or
+    infinite (``check_finite``), or past ``divergence_threshold``. Lightning records why it
+    stopped (``stopping_reason``); a version that does not is asked the metric itself."""
+    from pytorch_lightning.callbacks import EarlyStopping
+
+    for callback in trainer.callbacks:
+        if not isinstance(callback, EarlyStopping):
+            continue
+        reason = getattr(callback, "stopping_reason", None)
+        if reason is not None:
+            if getattr(reason, "name", None) in ("NON_FINITE_METRIC", "DIVERGENCE_THRESHOLD"):
+                return True
+            continue
+        value = trainer.callback_metrics.get(callback.monitor)
+        if (callback.check_finite and value is not None
+                and not torch.isfinite(torch.as_tensor(value)).all()):
+            return True
+    return False
 
 
 def _validation_metric(trainer) -> tuple[str, str]:

@@ -28,6 +28,7 @@ import torch
 
 from gnnlm.models.base import FEATURE_KEYS, BaseLM
 from gnnlm.models.encode import encode_windows, open_with_bos, protocol, sliding_windows
+from gnnlm.text.bos import BosRule
 from gnnlm.text.tokens import TokenStore
 from gnnlm.utils.metrics import check_finite
 from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, open_array, read_manifest
@@ -162,6 +163,9 @@ class FeaturesJob(ShardedJob):
         return {"n": self.n, "dim": self.model.hidden_size,
                 "protocol": protocol(self.context, self.stride, self.bos_each_window),
                 "bos_each_window": self.bos_each_window, "keys": list(FEATURE_KEYS),
+                # the BOS rule every reader of the work directory applies (gnnlm.text.bos)
+                "bos": BosRule(int(self.tokens_manifest["bos_id"]),
+                               self.bos_each_window).record(),
                 "base_lm": identity, "vocab_size": int(self.model.vocab_size),
                 "seconds": wall_seconds, "devices": rank.world,
                 "encode_seconds": round(float(totals(done).get("seconds", 0.0)), 2)}

@@ -20,6 +20,7 @@ import numpy as np
 
 from gnnlm.text.corpus import SPLIT_FILES, SPLITS, locate_corpus
 from gnnlm.text.settings import TokenizerConfig  # the settings, without tokenizers: for configs
+from gnnlm.text.text_files import read_text
 from gnnlm.workdir.artifacts import (
     ArtifactBuilder,
     ArtifactError,
@@ -314,45 +315,12 @@ def fit_tokenizer(config: TokenizerConfig, train_text: str) -> Tokenizer:
                      f"{list(TOKENIZERS)}).")
 
 
-# what a file that is not text begins with: its kind, and what to do instead
-MAGIC = {b"\x7fELF": ("an ELF binary", "point the corpus at plain text files"),
-         b"\x1f\x8b": ("gzip-compressed", "decompress it first (gunzip)"),
-         b"PK\x03\x04": ("a zip archive", "extract it first (unzip)"),
-         b"\xfd7zXZ\x00": ("xz-compressed", "decompress it first (unxz)"),
-         b"\x28\xb5\x2f\xfd": ("zstd-compressed", "decompress it first (unzstd)")}
-
-
-def check_is_text(path: Path, raw: bytes) -> None:
-    """Refuse a split file that is not text at all (a binary, an archive), which the UTF-8 check
-    would misread as text in another encoding: a NUL byte never occurs in UTF-8 or Latin-1 text
-    (git and grep judge a file binary the same way). UTF-16 text, whose ASCII characters
-    carry NUL bytes, is named as such."""
-    for magic, (kind, fix) in MAGIC.items():
-        if raw.startswith(magic):
-            raise ValueError(f"{path} is not text: it is {kind} (it begins with "
-                             f"{raw[:len(magic)]!r}): {fix}.")
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise ValueError(f"{path} is UTF-16 text: convert it to UTF-8 (e.g. iconv -f utf-16 -t "
-                         f"utf-8).")
-    nul = raw.find(b"\x00", 0, 1 << 16)
-    if nul >= 0:
-        raise ValueError(f"{path} is not text: it holds a NUL byte at offset {nul} (it begins "
-                         f"with {raw[:8]!r}): point the corpus at plain text files.")
-
-
 def _read_split(files: dict[str, Path], split: str) -> str:
     if split not in files:
         folder = files["train"].parent
         raise FileNotFoundError(f"The corpus in {folder} has no {split} split: expected one of "
                                 f"{', '.join(SPLIT_FILES[split])}.")
-    raw = files[split].read_bytes()
-    check_is_text(files[split], raw)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{files[split]} is not UTF-8 text: byte 0x{raw[err.start]:02x} at "
-                         f"offset {err.start} cannot be decoded. Convert the file to UTF-8 "
-                         f"(e.g. iconv -f latin1 -t utf-8).") from None
+    text = read_text(files[split])  # UTF-8 text, or one line saying what the file is
     if not text.strip():
         raise ValueError(f"Split file {files[split]} is empty: a corpus needs text in train, "
                          f"valid and test.")

@@ -1,4 +1,5 @@
-"""What a run ran on: the device and the versions of the stack, recorded beside every result.
+"""What a run ran on: the device, the CPU's kernel path and the versions of the stack, recorded
+beside every result.
 
 ``describe()`` is what ``results.json`` and ``stage_times.json`` record under ``environment``;
 ``python -m gnnlm.utils.environment --require faiss,jsonargparse`` prints it as one line, or one
@@ -14,6 +15,8 @@ import os
 import platform
 import sys
 from typing import Optional
+
+from gnnlm.utils import cpu_kernels
 
 # the import name of each package a run reads, and its distribution name (for its version)
 STACK = {"torch": "torch", "torch_geometric": "torch-geometric",
@@ -57,6 +60,8 @@ def describe() -> dict:
            "python": platform.python_version(),
            "cuda": torch.version.cuda if gpus else None}
     env.update({module: version(dist) for module, dist in STACK.items()})
+    # two CPUs of one name run other kernels when their vector instructions differ
+    env["cpu_kernels"] = cpu_kernels.describe()
     return env
 
 
@@ -64,6 +69,8 @@ def one_line(env: dict) -> str:
     """``describe()`` as the line results.md and the logs show."""
     device = (f"CPU {env['cpu']}" if env["device"] == "cpu"
               else f"{env['gpus']} × {env['device']}, CPU {env['cpu']}")
+    if env.get("cpu_kernels"):  # absent from records written before it was kept
+        device += f", {cpu_kernels.one_line(env['cpu_kernels'])}"
     cuda = f" (CUDA {env['cuda']})" if env.get("cuda") else ""
     packages = ", ".join(f"{name} {env[name]}" for name in
                          ("torch_geometric", "pytorch_lightning", "faiss", "transformers")

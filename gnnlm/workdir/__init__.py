@@ -7,5 +7,7 @@
 - ``checkpoints``: ``gnnlm fit`` checkpoints read as plain data, the classes they may hold;
 - ``ranks``: one job on N processes (Lightning Fabric) or in this one;
 - ``shards``: sharded resumable chunk loops, a progress file per rank;
-- ``verify``: ``gnnlm verify``, every artifact's files against its manifest.
+- ``predates``: a manifest without its own checksum, read only where none has one;
+- ``reports``: a report's seal (its sha256, the artifacts it was computed from) and its check;
+- ``verify``: ``gnnlm verify``, every artifact's files against its manifest, every report's seal.
 """

@@ -41,6 +41,7 @@ import numpy as np
 
 from gnnlm.utils.progress import say, track
 from gnnlm.utils.provenance import code_version
+from gnnlm.workdir.predates import unsealed_problem
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -181,6 +182,14 @@ _READ_LOGS: list[dict[str, str]] = []
 # an artifact of the work directory (rebuilt, it rebuilds what reads it: ``changed_inputs``), not
 # a setting or a model given from outside (another one is refused).
 _ARTIFACTS: set[str] = set()
+# ... and where they lie (absolute path → fingerprint): what a report was computed from
+# (``gnnlm.workdir.reports``)
+_SEEN: dict[str, str] = {}
+
+
+def seen_artifacts() -> dict[str, str]:
+    """Every artifact folder this process read or built, by absolute path: its fingerprint."""
+    return dict(_SEEN)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -192,8 +201,9 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
     """Read the manifest of a complete artifact, with a clear error if there is none or if its
-    content changed after it was written (its ``manifest_sha256``; a manifest written before
-    it was recorded has none). The read is recorded by every build under way."""
+    content changed after it was written (its ``manifest_sha256``; one without it is read only
+    in a work directory none of whose manifests has it: ``gnnlm.workdir.predates``). The read is
+    recorded by every build under way."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
@@ -209,17 +219,21 @@ def read_manifest(path: str | os.PathLike, kind: str | None = None) -> dict:
                             f"and run the stage again, or rerun with --rebuild.") from None
     if not isinstance(manifest, dict) or not manifest.get("complete"):
         raise ArtifactError(f"{path} is marked incomplete; rebuild it.")
-    recorded = manifest.get(MANIFEST_SHA256)
+    recorded, found = manifest.get(MANIFEST_SHA256), manifest.get("kind")
     if recorded is not None and recorded != manifest_digest(manifest):
-        found = manifest.get("kind")
         raise ArtifactError(f"{manifest_path} was edited after it was written (its content no "
                             f"longer matches its manifest_sha256). "
+                            f"{rebuild_hint(path, found if isinstance(found, str) else None)}")
+    unsealed = unsealed_problem(path, MANIFEST, MANIFEST_SHA256) if recorded is None else None
+    if unsealed:  # from before checksums, or its checksum removed: its work directory says which
+        raise ArtifactError(f"{unsealed} "
                             f"{rebuild_hint(path, found if isinstance(found, str) else None)}")
     if kind is not None and manifest.get("kind") != kind:
         raise ArtifactError(f"{path} holds a {manifest.get('kind')!r} artifact, expected {kind!r}.")
     for log in _READ_LOGS:
         log[os.path.abspath(path)] = str(manifest.get("fingerprint"))
     _ARTIFACTS.add(str(manifest.get("fingerprint")))
+    _SEEN[os.path.abspath(path)] = str(manifest.get("fingerprint"))
     return manifest
 
 
@@ -592,6 +606,7 @@ class ArtifactBuilder:
         manifest[MANIFEST_SHA256] = manifest_digest(manifest)
         write_json_atomic(self.partial / MANIFEST, manifest)
         _ARTIFACTS.add(self.fingerprint)
+        _SEEN[os.path.abspath(self.path)] = self.fingerprint
         (self.partial / PROGRESS).unlink(missing_ok=True)
         for rank_file in self.partial.glob(RANK_PROGRESS.format(rank="*") + "*"):
             rank_file.unlink(missing_ok=True)  # the ranks' own files (and a torn .tmp)

@@ -4,11 +4,14 @@ A run that reuses an artifact checks its files' sizes, and the sha256 of those u
 ``gnnlm.workdir.artifacts.REUSE_CHECK_BYTES``; this command reads every file of every artifact
 against its manifest (after copying a work directory, or to check the big files a reuse does not
 read), each manifest against its own checksum, and each artifact's recorded inputs (``reads``)
-against the artifacts the work directory now holds. It prints one line per artifact and a
-summary, and fails naming each bad or edited file, or stale input, and the stage that rebuilds
-it. An unfinished build (``<name>.partial``) is listed but is no error: the next run
-of its stage resumes it. A manifest written before checksums were recorded has only its sizes
-checked ("no checksum recorded"), as has one with no checksum of its own content. The work
+against the artifacts the work directory now holds; then each report (``reports/<name>/``)
+against its own checksum and the artifacts it was computed from (``gnnlm.workdir.reports``).
+It prints one line per artifact and report and a summary, and fails naming each bad or edited
+file, or stale input, and the stage that rebuilds it, and each report to write again. An
+unfinished build (``<name>.partial``) is listed but is no error: the next run of its stage
+resumes it. In a work directory that predates checksums (none of its manifests
+records one) every artifact has only its sizes checked ("no checksum recorded"); a manifest
+without its checksum among manifests with theirs is bad (``gnnlm.workdir.predates``). The work
 directory is only read.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ from gnnlm.workdir.artifacts import (
     rebuild_hint,
     stale_reads,
 )
+from gnnlm.workdir.reports import ARTIFACTS, REPORT, check_report
 
 
 def find_artifacts(root: Path) -> tuple[list[Path], list[Path]]:
@@ -68,8 +72,10 @@ def check_artifact(path: Path) -> tuple[str, list[str], int]:
 
 def main(args: list[str]) -> None:
     """``gnnlm verify WORKDIR``: checks every artifact under the work directory against its
-    manifest (sizes, sha256 of every file) and lists unfinished builds; one line per artifact,
-    then a summary. Exits 0 when every artifact is whole, 2 naming each bad file otherwise."""
+    manifest (sizes, sha256 of every file) and lists unfinished builds, then checks every
+    report (its sha256, the artifacts it was computed from); one line per artifact and report,
+    then a summary. Exits 0 when every artifact is whole and every report can be trusted, 2
+    naming each bad file or report otherwise."""
     parser = argparse.ArgumentParser(prog="gnnlm verify", description=main.__doc__)
     parser.add_argument("workdir", help="the pipeline's work directory (its `workdir:`)")
     root = Path(parser.parse_args(args).workdir)
@@ -83,7 +89,8 @@ def main(args: list[str]) -> None:
     t0 = time.perf_counter()
     counts = {"ok": 0, "no checksum recorded": 0, "bad": 0}
     total, failures = 0, []
-    width = max(len(str(p.relative_to(root))) for p in complete + partial)
+    reports = sorted(root.glob(f"reports/*/{REPORT}"))
+    width = max(len(str(p.relative_to(root))) for p in complete + partial + reports)
     for path in complete:
         status, problems, read = check_artifact(path)
         counts[status] += 1
@@ -102,13 +109,36 @@ def main(args: list[str]) -> None:
     for path in partial:
         print(f"{str(path.relative_to(root)):<{width}}  unfinished: the next run of its stage "
               f"resumes it", flush=True)
+    bad_reports = check_reports(root, reports, width)
     seconds = time.perf_counter() - t0
+    said = (f"{len(reports)} reports: {len(reports) - len(bad_reports)} ok, "
+            f"{len(bad_reports)} bad; " if reports else "")
     print(f"{len(complete)} artifacts: {counts['ok']} ok, {counts['no checksum recorded']} with "
-          f"no checksum recorded, {counts['bad']} bad; {len(partial)} unfinished; "
+          f"no checksum recorded, {counts['bad']} bad; {len(partial)} unfinished; {said}"
           f"{size(total)} checked in {seconds:.1f} s", flush=True)
-    if failures:
-        raise ArtifactError(f"{counts['bad']} of {len(complete)} artifacts in {root} are damaged: "
-                            + " ".join(failures))
+    errors = ([f"{counts['bad']} of {len(complete)} artifacts in {root} are damaged: "
+               + " ".join(failures)] if failures else []) + (
+        [f"{len(bad_reports)} of {len(reports)} reports in {root} cannot be trusted: "
+         + " ".join(bad_reports)] if bad_reports else [])
+    if errors:
+        raise ArtifactError(" ".join(errors))
+
+
+def check_reports(root: Path, reports: list[Path], width: int) -> list[str]:
+    """Check each report, printing a line for it; what is wrong with the bad ones, one line
+    each (``gnnlm.workdir.reports.check_report``)."""
+    bad = []
+    for path in reports:
+        name = f"{str(path.relative_to(root)):<{width}}"
+        try:
+            made_from = len(check_report(path, root).get(ARTIFACTS) or {})
+        except ArtifactError as err:
+            bad.append(str(err))
+            print(f"{name}  bad: {err}", flush=True)
+            continue
+        print(f"{name}  ok: sha256 matches, made from the {made_from} artifacts it names as "
+              f"they are", flush=True)
+    return bad
 
 
 def size(n: int) -> str:

@@ -216,12 +216,29 @@ def test_sampling_is_seeded_and_cut_by_top_k_and_top_p():
     assert only.tolist() == [0] * 4                                    # at least the best
 
 
+def test_the_smallest_temperature_samples_the_most_likely_token():
+    """Dividing log-probabilities of -2.4 by 1e-38 overflows to -inf for every token; from the
+    best one's 0 down, the best stays and the others go (the limit T -> 0: greedy)."""
+    from gnnlm.inference.sampling import MIN_TEMPERATURE
+
+    assert MIN_TEMPERATURE == torch.finfo(torch.float32).tiny
+    logprobs = torch.log_softmax(torch.tensor([[0.0, 2.0, 1.0, -1.0], [5.0, 0.0, 0.0, 0.0]]), -1)
+    for temperature in (MIN_TEMPERATURE, 1e-30, 1e-3):
+        drawn = choose(logprobs, False, temperature, None, None, torch.Generator())
+        assert drawn.tolist() == [1, 0]
+    top = choose(logprobs, False, MIN_TEMPERATURE, 2, 0.9, torch.Generator())
+    assert top.tolist() == [1, 0]
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
     ({"top_p": 0.0}, r"top_p must lie in \(0, 1\]"),
     ({"top_p": 1.5}, r"top_p must lie in \(0, 1\]"),
     ({"top_k": 0}, "top_k must be a positive integer"),
     ({"temperature": 0.0}, "temperature must be > 0"),
+    # below the smallest normal float32 the division gave NaN, and torch's multinomial then
+    # "probability tensor contains either inf, nan or element < 0"
+    ({"temperature": 1e-40}, r"temperature must be at least 1.18e-38, the smallest float32 "),
     ({"greedy": True, "top_k": 5}, "greedy decoding takes the most likely token"),
 ])
 def test_bad_sampling_settings_are_refused_in_one_line(kwargs, message):

@@ -70,7 +70,8 @@ def test_head_configs_must_read_the_neighbours_the_pipeline_builds(tmp_path):
                                          r"neighbors.train_queries = 5000"):
         check_fit_configs(load_config([*CPU, "--neighbors.train_queries=5000"]))
     with pytest.raises(ValueError, match=r"keeps k = 128 neighbours per token \(graph.k = 16, "
-                                         r"eval_ks \[16, 32, 64, 128\]\) but neighbors.K = 4 "
+                                         r"eval_ks \[16, 32, 64, 128\], k_schedule \[8, 16\]\) but "
+                                         r"neighbors.K = 4 "
                                          r"are stored: lower them to at most 4, or raise "
                                          r"neighbors.K.$"):
         check_fit_configs(load_config([*CPU, "--neighbors.K=4", "--knn.ks=[4]"]))

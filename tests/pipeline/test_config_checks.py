@@ -93,6 +93,47 @@ def test_a_block_size_below_one_in_the_gnn_config(tmp_path, capsys):
         f"must be >= 1.")
 
 
+OWN_GNN = ["configs/trainer/cpu.yaml", "configs/examples/own_corpus/gnnlm.yaml"]
+
+
+@pytest.mark.parametrize("head,chain,overlay,message", [
+    # the k curriculum must end at graph.k (8 in the own-corpus example): once stopped only when
+    # the GNN stage began, with neither file nor key named
+    ("gnn", OWN_GNN, "k_schedule: [[0, 4], [1, 16]]",
+     ": data.init_args.k_schedule must start at epoch 0 and end with graph.k = 8, the k "
+     "evaluation uses (got [[0, 4], [1, 16]]); {overlay} sets it."),
+    ("gnn", OWN_GNN, "k_schedule: [[1, 8]]",
+     ": data.init_args.k_schedule must start at epoch 0 and end with graph.k = 8, the k "
+     "evaluation uses (got [[1, 8]]); {overlay} sets it."),
+    # a k of the curriculum above the K = 64 stored neighbours
+    ("gnn", OWN_GNN, "k_schedule: [[0, 128], [1, 8]]",
+     " keeps k = 128 neighbours per token (k_schedule [128]) but neighbors.K = 64 are stored: "
+     "lower them to at most 64, or raise neighbors.K."),
+    ("gnn", OWN_GNN, "predict_split: dev",
+     ": data.init_args.predict_split must be one of train, valid, test (got 'dev'); {overlay} "
+     "sets it."),
+    # a head that reads no neighbours (SPALM's gate on the frozen LM with retrieved < 0)
+    ("spalm", ["configs/trainer/cpu.yaml", "configs/wikitext2/spalm.yaml",
+               "configs/wikitext2/spalm_cpu.yaml"], "retrieved: -1",
+     ": data.init_args.retrieved must be >= 0 (got -1); {overlay} sets it."),
+])
+def test_every_head_s_data_arguments_are_checked_at_load(head, chain, overlay, message,
+                                                         tmp_path, capsys):
+    """A data module's own checks of its arguments run on every head's config when the
+    pipeline loads it, naming the head's files and the file that sets the key."""
+    extra = tmp_path / "overlay.yaml"
+    extra.write_text(f"data:\n  init_args:\n    {overlay}\n")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split in ("train", "valid", "test"):
+        (corpus / f"{split}.txt").write_text("a few words\n")
+    files = [*chain, str(extra)]
+    line = refused(tmp_path, capsys, f"--{head}.config={json.dumps(files)}",
+                   config=["-c", "configs/examples/own_corpus/pipeline.yaml",
+                           f"--corpus.path={corpus}"])
+    assert line == f"the {head} config ({' + '.join(files)})" + message.format(overlay=extra)
+
+
 def test_a_graph_k_below_one_in_gnnlm_fit(tmp_path, capsys):
     line = error_of(["fit", *(a for f in GNN for a in ("-c", f)), "--data.init_args.graph.k=0",
                      f"--data.init_args.workdir={tmp_path / 'w'}",

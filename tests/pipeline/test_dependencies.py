@@ -26,7 +26,6 @@ from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, read_manifes
 from gnnlm.workdir.layout import Workdir
 from tests.conftest import PIPELINE
 from tests.fakes import error_of
-from tests.families import FAMILIES, save_family, train_bpe
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 
@@ -172,25 +171,10 @@ def test_a_flipped_byte_is_still_refused(tmp_path):
 # -- on a WikiText-2 slice, through a GNN-LM head ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def built(wikitext_root, tmp_path_factory):
-    """The retrieval pipeline with GNN-LM (configs/tests/hf_family.yaml) on a tiny random-weight
-    GPT-2 with a BPE trained on the slice: the first 40k characters of WikiText-2's train split
-    and 10k of valid and test. Returns (its arguments without the work directory, the work
-    directory)."""
-    from gnnlm.pipeline.stages import run
-
-    root = tmp_path_factory.mktemp("cascade")
-    corpus = root / "slice"
-    corpus.mkdir()
-    for split, chars in (("train", 40_000), ("valid", 10_000), ("test", 10_000)):
-        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
-        (corpus / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
-    folder = save_family(FAMILIES["gpt2"], train_bpe((corpus / "train.txt").read_text(), 300),
-                         root / "gpt2")
-    args = ["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",
-            f"--corpus.path={corpus}", "--knn.keys=[final]"]
-    run(load_config([*args, f"--workdir={root / 'work'}"]))
-    return args, root / "work"
+def built(hf_family_built):
+    """The retrieval pipeline with GNN-LM on a WikiText-2 slice (``tests.conftest``): (its
+    arguments without the work directory, the work directory)."""
+    return hf_family_built
 
 
 RETRIEVAL = ("neighbors/final-cos/train", "neighbors/final-cos/valid", "neighbors/final-cos/test",

@@ -1,11 +1,11 @@
 """The GPU table's rehearsal on the CPU: ``scripts/gpu_check.sh --rehearsal`` (the benchmark at
 small shapes, then ``scripts/gpu_table.sh`` with ``pipeline.yaml`` and the fit YAMLs it names,
-overlaid by ``configs/tests/gpu_rehearsal.yaml``: sizes and device only), run from a fresh
-folder. Every GPU option runs: bf16-mixed autocast, exact search, both key types,
-PQ node features read by 8 DataLoader workers, the k curriculum, the eval_ks list, SPALM's gate
-and the SPALM comparison's six rows with their kNN-LM ceilings, and every time limit. About 6
-minutes on two idle cores (bf16 matmuls run several times slower than float32 on a CPU without
-bf16 units)."""
+overlaid by ``configs/tests/gpu_rehearsal.yaml``: sizes, the device and the base LM's schedule,
+as ``tests.rehearsal`` lists), run from a fresh folder. Every GPU option runs: bf16-mixed
+autocast, exact search, both key types, PQ node features read by 8 DataLoader workers, the k
+curriculum, the eval_ks list, SPALM's gate and the SPALM comparison's six rows with their kNN-LM
+ceilings, and every time limit. About 6 minutes on two idle cores (bf16 matmuls run several
+times slower than float32 on a CPU without bf16 units)."""
 from __future__ import annotations
 
 import json
@@ -17,8 +17,11 @@ import tarfile
 import numpy as np
 import pytest
 
+import gnnlm
 from gnnlm.pipeline.config_files import merged_yaml
+from gnnlm.workdir.artifacts import open_array, read_manifest
 from tests.conftest import REHEARSAL_SIZE_OVERLAYS, REPO, yaml_leaves
+from tests.rehearsal import undeclared_changes
 
 pytestmark = pytest.mark.integration
 
@@ -122,19 +125,50 @@ def test_gnn_lm_ran_its_curriculum_on_pq_features_and_scored_every_eval_k(rehear
 
 @pytest.mark.parametrize("part", TRAINED)
 def test_every_trained_part_ran_the_gpu_config_s_options(rehearsal, part):
-    """Each trained part's recorded config is its GPU chain's, but for what the rehearsal's
-    size overlay sets: bf16-mixed, the time limit, workers, schedules, callbacks."""
+    """Each trained part's recorded config is its GPU chain's, but for the sizes, the device and
+    the other changes ``tests.rehearsal`` lists (the base LM's schedule, with both values):
+    bf16-mixed, the time limit, workers, schedules, callbacks. A field the size overlay sets
+    that is not listed fails, whatever its value."""
     workdir = rehearsal[0] / "runs" / "tests" / "gpu-rehearsal"
     manifest = json.loads((workdir / "models" / part / "manifest.json").read_text())
-    recorded = yaml_leaves(manifest["config"]["values"])
+    recorded = manifest["config"]["values"]
     section = merged_yaml([str(REPO / "configs/wikitext2/pipeline.yaml"),
                            str(REPO / "configs/tests/gpu_rehearsal.yaml")])[part]["config"]
     chain = [REPO / f for f in section]
     sized = [f for f in chain if str(f.relative_to(REPO)).startswith(REHEARSAL_SIZE_OVERLAYS)]
     assert len(sized) == 1, section
-    gpu = yaml_leaves(merged_yaml([str(f) for f in chain if f not in sized]))
-    resized = yaml_leaves(merged_yaml([str(sized[0])]))
-    assert recorded[("trainer", "precision")] == "bf16-mixed"
-    assert recorded[("trainer", "max_time")] == gpu[("trainer", "max_time")]
-    kept = {path: value for path, value in gpu.items() if path not in resized}
-    assert {path: recorded.get(path) for path in kept} == kept
+    gpu = merged_yaml([str(f) for f in chain if f not in sized])
+    assert yaml_leaves(recorded)[("trainer", "precision")] == "bf16-mixed"
+    assert yaml_leaves(recorded)[("trainer", "max_time")] == yaml_leaves(gpu)[
+        ("trainer", "max_time")]
+    assert undeclared_changes(part, gpu, merged_yaml([str(sized[0])]), recorded) == []
+
+
+def test_gnnlm_score_serves_each_row_in_the_precision_the_report_scored_it(rehearsal, results):
+    """The heads were scored under bf16-mixed autocast (on the CPU too), the base LM and kNN-LM
+    in float32: the report and the heads' manifests record it, and ``gnnlm.load`` serves each
+    row the same way. So the test split's tokens give every head row's report scores (measured:
+    equal to the bit; served in float32 they were up to 5e-3 nats apart, 7e-6 for GNN-LM), and
+    a prefix's next-token distribution gives the report's score of the token that follows, to
+    bf16 kernel rounding (measured: 2.6e-5 nats on average; in float32, 2.5e-4)."""
+    workdir = rehearsal[0] / "runs" / "tests" / "gpu-rehearsal"
+    heads = sorted(row for row in ROWS if row not in ("base", "knn", "knn[att]"))
+    assert results["precisions"] == {row: "bf16-mixed" if row in heads else "32-true"
+                                     for row in ROWS}
+    for part in TRAINED[1:]:
+        assert read_manifest(workdir / "models" / part)["precision"] == "bf16-mixed", part
+    lm = gnnlm.load(workdir)
+    ids = np.asarray(open_array(workdir / "tokens", "test")[:results["tokens"]], dtype=np.int64)
+    scores = lm.score(ids, heads)
+    with np.load(rehearsal[1] / "test_logprobs.npz") as stored:
+        for row in heads:
+            np.testing.assert_allclose(scores[row].logprobs, stored[row], rtol=0, atol=1e-6,
+                                       err_msg=row)
+            assert scores[row].ppl == pytest.approx(results["ppl"][row], rel=1e-5), row
+        for row in ("transformer", "transformer_xl"):  # decoding, within stream 0's segment
+            gaps = [float(lm.next_token_logprobs(ids[:t], row)[ids[t]]) - float(stored[row][t])
+                    for t in range(1, 64)]
+            assert np.abs(gaps).mean() < 8e-5, (row, np.abs(gaps).mean())
+    # a report written before it recorded precisions: each head's manifest says the same
+    del lm.served.results["precisions"]
+    assert {row: lm.served.precision(row) for row in ROWS} == results["precisions"]

@@ -402,3 +402,20 @@ def test_a_time_stop_of_a_run_bound_by_epochs_names_no_step_bound():
     assert training_lines(results) == ["base LM: stopped by max_time at step 54",
                                        "base LM: stopped by max_time at step 150 of max_steps "
                                        "2000"]
+
+
+def test_a_diverged_training_is_noted_with_its_step_and_the_weights_kept():
+    """A trained part whose val/ppl became NaN (``stopped_by`` "diverged") is listed under the
+    trainings that were not one run to its end, saying where it diverged and which weights the
+    report scores."""
+    from gnnlm.pipeline.report import training_lines, training_notes
+
+    diverged = {"steps": 8, "max_steps": 24, "stopped_by": "diverged",
+                "resumed_from_steps": [], "kept_step": 0}
+    stopped = {**diverged, "stopped_by": "early stopping"}
+    results = Results(name="run", dataset="tiny", level="word", base_lm={},
+                      base_lm_manifest={"training": stopped}, features={},
+                      heads={"gnn": {"training": diverged}})
+    notes = training_notes(results)
+    assert notes == [{"row": "gnn", **diverged}]
+    assert training_lines({"training_notes": notes}) == ["+GNN: diverged at step 8 (kept step 0)"]

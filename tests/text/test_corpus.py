@@ -87,3 +87,44 @@ def test_missing_explicit_path_of_an_unknown_corpus_names_the_path(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(CorpusNotFoundError, match=f"{re.escape(str(missing))} does not exist"):
         locate_corpus("tiny", path=missing, cache_dir=tmp_path / "cache")
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """Online as far as the environment says; the Hub's answer is each test's."""
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    import gnnlm.text.corpus
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing is downloaded here")
+
+    monkeypatch.setattr(gnnlm.text.corpus, "_download", never)
+    return gnnlm.text.corpus
+
+
+def test_an_unreachable_hub_is_asked_once_and_not_retried(tmp_path, online, monkeypatch):
+    """A known corpus found nowhere, the Hub not answering (here: nothing listens on the
+    port): one request, and the error says so; the Hub's client would retry five times."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    online.hub_unreachable.cache_clear()
+    with pytest.raises(CorpusNotFoundError) as err:
+        locate_corpus("wikitext-2", cache_dir=tmp_path / "cache")
+    assert "Looked in: $GNNLM_DATA (not set); " in str(err.value)
+    assert ("Hugging Face datasets ('Salesforce/wikitext', 'wikitext-2-v1') (the Hub is not "
+            "reachable: http://127.0.0.1:9: ") in str(err.value)
+    with pytest.raises(CorpusNotFoundError, match="the Hub is not reachable"):
+        online.check_corpus("wikitext-2", cache_dir=tmp_path / "cache")
+
+
+def test_check_corpus_downloads_nothing(tmp_path, online, monkeypatch):
+    monkeypatch.setattr(online, "hub_unreachable", lambda endpoint: None)   # the Hub answers
+    online.check_corpus("wikitext-2", cache_dir=tmp_path / "cache")        # the stage downloads
+    assert not (tmp_path / "cache").exists()
+    folder = make_corpus(tmp_path / "data" / "tiny")
+    online.check_corpus("tiny", path=folder, cache_dir=tmp_path / "cache")  # found here
+    with pytest.raises(CorpusNotFoundError, match="Unknown corpus 'mine'"):
+        online.check_corpus("mine", cache_dir=tmp_path / "cache")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CorpusNotFoundError, match=r"Hugging Face datasets \(offline\)"):
+        online.check_corpus("wikitext-2", cache_dir=tmp_path / "cache")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -72,3 +74,21 @@ def test_a_folder_that_is_not_a_checkout_s_top_has_no_commit(tmp_path):
     project's code: only the checkout whose top folder holds the package counts."""
     assert provenance._checkout(REPO / "gnnlm") == (None, None)
     assert provenance._checkout(tmp_path) == (None, None)
+
+
+def test_the_kernel_path_and_its_pins_are_recorded_in_the_process_that_ran():
+    """Two CPUs of one name and one stack run other kernels when one has AVX-512: the record
+    says which path torch ran and which variables pinned it, as the run's own process saw it."""
+    script = ("import json; from gnnlm.utils import environment as e; "
+              "print(json.dumps(e.describe()['cpu_kernels']))")
+    pins = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={**os.environ, **pins}, cwd=REPO)
+    kernels = json.loads(ran.stdout)
+    assert kernels["torch_capability"] == "DEFAULT" and kernels["pinned"] == pins
+    assert kernels["blas"] and kernels["threads"] >= 1
+    unpinned = environment.describe()["cpu_kernels"]
+    assert unpinned["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert "DEFAULT kernels (pinned)" in environment.one_line(
+        {**environment.describe(), "cpu_kernels": kernels})
+

@@ -144,3 +144,42 @@ def test_lightning_says_no_device_banner_but_keeps_its_warnings(caplog):
     with pytest.warns(UserWarning, match="GPU available but not used"):
         rank_zero_warn("GPU available but not used. You can set it by doing "
                        "`Trainer(accelerator='gpu')`.")
+
+
+@pytest.mark.parametrize("max_epochs,max_steps,expected", [
+    (-1, 80, "Epoch 0"),            # max_steps bounds training: Lightning's bar said "Epoch 0/-2"
+    (5, 80, "Epoch 0"),             # both set: the steps may end it first
+    (2, -1, "Epoch 0/1"),           # Lightning's own, counted from 0
+])
+def test_the_progress_bar_shows_an_epoch_total_only_where_epochs_bound_training(
+        max_epochs, max_steps, expected):
+    from types import SimpleNamespace
+
+    from gnnlm.lit.progress_log import EpochBar
+
+    bar = EpochBar()
+    bar._trainer = SimpleNamespace(max_epochs=max_epochs, max_steps=max_steps)
+    assert bar._get_train_description(0) == f"{expected:{len('Validation')}}"
+
+
+def test_a_fit_bounded_by_steps_prints_no_epoch_total(tmp_path):
+    """``gnnlm fit`` with max_steps, its output redirected: the rich bar's last frame (kept in
+    the log when the run ends) reads "Epoch 0", not "Epoch 0/-2"."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.fakes import write_corpus
+
+    words = [f"w{i % 37}" for i in range(3000)]
+    corpus = write_corpus(tmp_path / "corpus", train=" ".join(words) + "\n")
+    args = ["fit", "-c", "configs/trainer/cpu.yaml",
+            "-c", "configs/examples/own_corpus/base_lm.yaml", "--data.init_args.corpus=tiny",
+            f"--data.init_args.corpus_path={corpus}",
+            f"--data.init_args.workdir={tmp_path / 'work'}", "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1"]
+    out = subprocess.run([sys.executable, "-m", "gnnlm.cli", *args], cwd=REPO, text=True,
+                         capture_output=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    frames = [line for line in out.stdout.splitlines() if line.startswith("Epoch ")]
+    assert frames and all(line.startswith("Epoch 0 ") for line in frames), frames

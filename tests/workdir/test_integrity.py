@@ -127,9 +127,11 @@ def strip_checksums(folder):
     write_json_atomic(folder / "manifest.json", manifest)
 
 
-def test_a_manifest_from_before_checksums_is_reused_and_verify_says_so(wd, capsys):
+def test_a_work_directory_from_before_checksums_is_reused_and_verify_says_so(wd, capsys):
+    """Every manifest written before checksums: the sizes are all that can be checked."""
+    for folder in sorted(p.parent for p in wd.root.rglob("manifest.json")):
+        strip_checksums(folder)
     folder = wd.features("test")
-    strip_checksums(folder)
     flip(folder / "final.bin")
     assert write_features_again(wd)
     from gnnlm.cli import main
@@ -138,8 +140,34 @@ def test_a_manifest_from_before_checksums_is_reused_and_verify_says_so(wd, capsy
     lines = capsys.readouterr().out.splitlines()
     assert f"{'features/test':<31}  no checksum recorded: the manifest predates checksums; " \
            f"sizes match" in lines
-    assert lines[-1].startswith("8 artifacts: 7 ok, 1 with no checksum recorded, 0 bad; "
+    assert lines[-1].startswith("8 artifacts: 0 ok, 8 with no checksum recorded, 0 bad; "
                                 "0 unfinished; ")
+
+
+def test_a_manifest_whose_checksum_was_removed_is_refused(wd):
+    """An edited manifest whose ``manifest_sha256`` was deleted to hide the edit, among
+    manifests that have theirs: the run that would reuse it and ``gnnlm verify`` (a process of
+    its own, exiting 2) refuse it in one line naming the file and the ``--rebuild`` that
+    remakes it."""
+    folder = wd.features("test")
+    manifest = read_manifest(folder)
+    manifest["n"] = 59
+    manifest.pop(artifacts.MANIFEST_SHA256)
+    write_json_atomic(folder / "manifest.json", manifest)
+    said = (f"{folder / 'manifest.json'} records no manifest_sha256, but the other manifests of "
+            f"{wd.root} do (e.g. features/train/manifest.json): its checksum was removed, so an "
+            f"edit to it cannot be ruled out (only a work directory whose every manifest predates "
+            f"checksums is read without them). Rerun with --rebuild=[features] or delete "
+            f"{folder}.")
+    with pytest.raises(ArtifactError) as err:
+        write_features_again(wd)
+    assert str(err.value) == said
+    done = subprocess.run([sys.executable, "-m", "gnnlm.cli", "verify", str(wd.root)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{'features/test':<31}  bad: {said}" in done.stdout.splitlines()
+    errors = [line for line in done.stderr.splitlines() if line.startswith("gnnlm ")]
+    assert errors == [f"gnnlm verify: error: 1 of 8 artifacts in {wd.root} are damaged: {said}"]
 
 
 # -- gnnlm verify -----------------------------------------------------------------------------
