@@ -8,8 +8,8 @@ name, the core count and every version are the same. ``describe()`` records the 
 it (``results.json`` and ``stage_times.json`` keep it under ``environment.cpu_kernels``), with
 any of the variables in ``PINS`` that chose a path by hand. Pinning all of them to AVX2 (as
 ``make demo`` does on a CPU with AVX2) gave an AVX-512 CPU the WikiText-2 demo's base-LM weights
-and table an AVX2-only CPU had, to the bit; two tables whose records differ here are compared
-as a few tenths of a percent apart, not as equal.
+an AVX2-only CPU had, to the bit, and its printed table; two tables whose records differ here
+are a few tenths of a percent apart, not equal.
 """
 from __future__ import annotations
 
