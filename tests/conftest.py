@@ -20,6 +20,16 @@ def data_dir() -> Path:
     return Path(os.environ.get("GNNLM_DATA", REPO.parent / "shared" / "data"))
 
 
+def wikitext_slice(wikitext_root: Path, folder: Path, chars: dict[str, int]) -> Path:
+    """A corpus folder of the first ``chars[split]`` characters of each WikiText-2 split, each
+    cut at a line end."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in chars.items():
+        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:n]
+        (folder / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
+    return folder
+
+
 @pytest.fixture
 def one_faiss_thread():
     """faiss on one thread: on 2 shared cores, OpenMP spinning on a busy core makes faiss
@@ -150,11 +160,8 @@ def hf_family_built(wikitext_root, tmp_path_factory):
     from tests.families import FAMILIES, save_family, train_bpe
 
     root = tmp_path_factory.mktemp("hf-family")
-    corpus = root / "slice"
-    corpus.mkdir()
-    for split, chars in (("train", 40_000), ("valid", 10_000), ("test", 10_000)):
-        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
-        (corpus / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
+    corpus = wikitext_slice(wikitext_root, root / "slice",
+                            {"train": 40_000, "valid": 10_000, "test": 10_000})
     folder = save_family(FAMILIES["gpt2"], train_bpe((corpus / "train.txt").read_text(), 300),
                          root / "gpt2")
     args = ["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt=hf:{folder}",

@@ -9,18 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wikitext_slice
 
 SMOLLM2 = REPO / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def corpus_slice(wikitext_root: Path, folder: Path, chars: dict[str, int]) -> Path:
-    """The first ``chars[split]`` characters of each split, cut at a line end."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, n in chars.items():
-        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:n]
-        (folder / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
-    return folder
 
 
 def build(model: str, corpus: Path, work: Path, name: str, *extra: str) -> Path:
@@ -42,8 +33,8 @@ def gpt2_work(wikitext_root, tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("hf-gpt2")
     bpe = train_bpe((wikitext_root / "wikitext-2" / "train.txt").read_text()[:300_000])
     folder = save_family(FAMILIES["gpt2"], bpe, root / "gpt2")
-    corpus = corpus_slice(wikitext_root, root / "slice",
-                          {"train": 80_000, "valid": 20_000, "test": 20_000})
+    corpus = wikitext_slice(wikitext_root, root / "slice",
+                            {"train": 80_000, "valid": 20_000, "test": 20_000})
     return SimpleNamespace(folder=folder,
                            work=build(f"hf:{folder}", corpus, root / "work", "gpt2"))
 
@@ -54,8 +45,8 @@ def smollm2_work(wikitext_root, tmp_path_factory) -> Path:
     if not SMOLLM2.is_file():
         pytest.skip(f"{SMOLLM2.relative_to(REPO)} is not there: run `make smollm2`.")
     root = tmp_path_factory.mktemp("smollm2")
-    corpus = corpus_slice(wikitext_root, root / "slice",
-                          {"train": 20_000, "valid": 20_000, "test": 20_000})
+    corpus = wikitext_slice(wikitext_root, root / "slice",
+                            {"train": 20_000, "valid": 20_000, "test": 20_000})
     return build(str(SMOLLM2), corpus, root / "work", "smollm2", "--features.context=128",
                  "--features.stride=64",
                  "--features.max_tokens={train: 2000, valid: 400, test: 200}")

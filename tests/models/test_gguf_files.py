@@ -15,6 +15,7 @@ import torch
 from gnnlm.models import is_hf, load_base_lm
 from gnnlm.models.gguf_files import TruncatedGGUF, read_header
 from gnnlm.models.settings import check_hf_folder, gguf_file
+from tests.conftest import wikitext_slice
 
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM2 = REPO / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,11 +201,8 @@ def smollm2_tokenizer(smollm2):
 @pytest.fixture(scope="module")
 def small_slice(wikitext_root, tmp_path_factory):
     """The first 20k characters of each WikiText-2 split, cut at a line end."""
-    folder = tmp_path_factory.mktemp("wt2-small")
-    for split in ("train", "valid", "test"):
-        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:20_000]
-        (folder / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
-    return folder
+    return wikitext_slice(wikitext_root, tmp_path_factory.mktemp("wt2-small"),
+                          dict.fromkeys(("train", "valid", "test"), 20_000))
 
 
 @pytest.mark.integration

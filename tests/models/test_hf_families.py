@@ -20,6 +20,7 @@ from gnnlm.models.base import LogitTransform
 from gnnlm.models.encode import sliding_windows
 from gnnlm.models.hf import KEY_PATHS, LOGIT_SCALES, HFCausalLM, find_module
 from gnnlm.text.tokens import HFTokenizer
+from tests.conftest import wikitext_slice
 from tests.families import FAMILIES, build_family, save_family, train_bpe
 
 
@@ -278,11 +279,8 @@ def test_options_are_for_hugging_face_models_only(tmp_path):
 @pytest.fixture(scope="module")
 def corpus_slice(wikitext_root, tmp_path_factory):
     """The first 160k characters of train and 40k of valid and test, cut at line ends."""
-    folder = tmp_path_factory.mktemp("wt2-slice")
-    for split, chars in (("train", 160_000), ("valid", 40_000), ("test", 40_000)):
-        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
-        (folder / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
-    return folder
+    return wikitext_slice(wikitext_root, tmp_path_factory.mktemp("wt2-slice"),
+                          {"train": 160_000, "valid": 40_000, "test": 40_000})
 
 
 # GNN-LM on one family with BOS in every window and soft-capped logits, and one without either

@@ -20,6 +20,7 @@ from gnnlm.workdir.artifacts import (
     read_manifest,
 )
 from gnnlm.workdir.layout import Workdir
+from tests.conftest import wikitext_slice
 from tests.fakes import as_older_code_wrote_it, write_corpus
 from tests.families import FAMILIES, save_family, train_bpe
 
@@ -216,11 +217,8 @@ def test_a_long_difference_is_refused_in_one_short_line(tmp_path):
 @pytest.fixture(scope="module")
 def hf_corpus(wikitext_root, tmp_path_factory):
     """The first 40k characters of train and 10k of valid and test, cut at line ends."""
-    folder = tmp_path_factory.mktemp("wt2-small")
-    for split, chars in (("train", 40_000), ("valid", 10_000), ("test", 10_000)):
-        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
-        (folder / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
-    return folder
+    return wikitext_slice(wikitext_root, tmp_path_factory.mktemp("wt2-small"),
+                          {"train": 40_000, "valid": 10_000, "test": 10_000})
 
 
 def _first_stages(folder, corpus, work, *extra):

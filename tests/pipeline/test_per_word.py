@@ -14,6 +14,7 @@ from gnnlm.pipeline.per_word import columns, ppl_per_word
 from gnnlm.text.tokens import EOS, HFTokenizer, TokenStore, WordTokenizer
 from gnnlm.text.words import count_words
 from gnnlm.utils.metrics import ppl_from_logprobs
+from tests.conftest import wikitext_slice
 from tests.families import FAMILIES
 from tests.pipeline.test_report import SIZES
 from tests.pipeline.test_report import _results as made_up_results
@@ -114,11 +115,8 @@ def bpe_run(wikitext_root, tmp_path_factory):
     from gnnlm.pipeline.stages import run
 
     root = tmp_path_factory.mktemp("per-word")
-    corpus = root / "slice"
-    corpus.mkdir()
-    for split, chars in (("train", 40_000), ("valid", 10_000), ("test", 10_000)):
-        text = (wikitext_root / "wikitext-2" / f"{split}.txt").read_text()[:chars]
-        (corpus / f"{split}.txt").write_text(text[:text.rindex("\n") + 1])
+    corpus = wikitext_slice(wikitext_root, root / "slice",
+                            {"train": 40_000, "valid": 10_000, "test": 10_000})
     bpe = HFTokenizer.train_bpe((corpus / "train.txt").read_text(), VOCAB)
     folder = root / "gpt2"
     FAMILIES["gpt2"].build(bpe.vocab_size, {"<|endoftext|>": bpe.bos_id}).save_pretrained(folder)
