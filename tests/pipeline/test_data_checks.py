@@ -8,7 +8,9 @@ import pytest
 
 from gnnlm.models import protocols
 from gnnlm.pipeline import data_checks
-from gnnlm.pipeline.report import _markdown, print_table, rows_on_the_base_lm
+from gnnlm.pipeline.report import print_table
+from gnnlm.pipeline.report_markdown import markdown as _markdown
+from gnnlm.pipeline.report_warnings import rows_on_the_base_lm
 from gnnlm.text.tokens import (
     CharTokenizer,
     HFTokenizer,

@@ -10,7 +10,7 @@ import pytest
 
 from gnnlm.models import protocols
 from gnnlm.pipeline import rows
-from gnnlm.pipeline.report import recall_buckets
+from gnnlm.pipeline.report_analyses import recall_buckets
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.utils.provenance import code_version
 from gnnlm.workdir.artifacts import ArtifactBuilder
@@ -115,7 +115,7 @@ def test_the_registry_orders_rows_and_names_the_config_s_head_fields():
 
 
 def test_the_report_names_the_base_lm_and_lists_k_in_numeric_order():
-    from gnnlm.pipeline.report import _markdown
+    from gnnlm.pipeline.report_markdown import markdown as _markdown
 
     results = {
         "name": "run", "dataset": "corpus", "tokens": 1000, "protocol": "sliding window",
@@ -157,7 +157,7 @@ def _segment_and_window_results() -> dict:
 def test_rows_scored_differently_are_in_separate_tables_each_headed_by_its_protocol():
     """The segment models (cold-start streams, memory) and the sliding-window rows used to
     share one table under a header naming the sliding window for all of them."""
-    from gnnlm.pipeline.report import _markdown
+    from gnnlm.pipeline.report_markdown import markdown as _markdown
 
     text = _markdown(_segment_and_window_results())
     window, segments = text.split("Scored with sliding windows")[1].split("Scored as contiguous")
@@ -195,7 +195,8 @@ def test_row_protocols_of_heads_interpolations_and_old_manifests():
 def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used():
     """Not the index's tuned setting: the neighbours may have been searched exactly, or with
     another nprobe / re-ranking; and the recall at the neighbours' depth K, when measured."""
-    from gnnlm.pipeline.report import _retrieval_facts, _retrieval_line
+    from gnnlm.pipeline.report import _retrieval_facts
+    from gnnlm.pipeline.report_markdown import _retrieval_line
 
     table = [{"nprobe": 4, "rerank": 1.0, "depth": 128, "recall@10": 0.93, "recall@100": 0.82,
               "recall@128": 0.8, "queries_per_s": 900.0, "gpu_ok": True},
@@ -392,7 +393,7 @@ def test_every_spalm_row_gets_the_gate_per_token_analysis(tmp_path):
 def test_a_time_stop_of_a_run_bound_by_epochs_names_no_step_bound():
     """Rows trained for epochs (max_steps -1, as Lightning records it) stop by time at a step;
     there is no step bound to name."""
-    from gnnlm.pipeline.report import training_lines
+    from gnnlm.pipeline.report_tables import training_lines
 
     results = {"training_notes": [
         {"row": "base", "steps": 54, "max_steps": -1, "stopped_by": "max_time",
@@ -408,7 +409,8 @@ def test_a_diverged_training_is_noted_with_its_step_and_the_weights_kept():
     """A trained part whose val/ppl became NaN (``stopped_by`` "diverged") is listed under the
     trainings that were not one run to its end, saying where it diverged and which weights the
     report scores."""
-    from gnnlm.pipeline.report import training_lines, training_notes
+    from gnnlm.pipeline.report import training_notes
+    from gnnlm.pipeline.report_tables import training_lines
 
     diverged = {"steps": 8, "max_steps": 24, "stopped_by": "diverged",
                 "resumed_from_steps": [], "kept_step": 0}

@@ -154,7 +154,8 @@ def test_a_flat_index_s_line_says_exact_neighbours_and_gives_its_agreement_not_r
     label says; what the index stage measured against exact search is agreement (ties), not the
     recall of an approximate search."""
     from gnnlm.pipeline.ablations import neighbours_label
-    from gnnlm.pipeline.report import _retrieval_facts, _retrieval_line
+    from gnnlm.pipeline.report import _retrieval_facts
+    from gnnlm.pipeline.report_markdown import _retrieval_line
     from gnnlm.pipeline.results import KeyRetrieval
 
     table = [{"nprobe": 1, "rerank": 0.0, "depth": 128, "recall@10": 0.9494, "recall@100": 0.97,
