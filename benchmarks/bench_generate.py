@@ -32,7 +32,7 @@ import torch
 
 import gnnlm
 from gnnlm.inference.decoding import Decoder
-from gnnlm.workdir.artifacts import open_array
+from gnnlm.workdir.manifests import open_array
 
 
 def prompts(lm, n: int, length: int, offset: int) -> torch.Tensor:

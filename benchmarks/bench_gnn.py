@@ -45,8 +45,8 @@ from gnnlm.retrieval.knn import knn_logprob
 from gnnlm.retrieval.search import Searcher
 from gnnlm.text.tokens import TokenStore
 from gnnlm.utils.devices import torch_device
-from gnnlm.workdir.artifacts import open_array
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array
 
 
 def reset_peak(device: torch.device) -> None:

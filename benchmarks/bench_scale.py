@@ -28,7 +28,7 @@ import numpy as np
 
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.search import Searcher, exact_search, recall_at
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
 
 WIKITEXT103 = 103_227_021

@@ -25,7 +25,7 @@ import torch
 
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.search import Searcher, exact_search
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gnnlm.cli import main
-from gnnlm.workdir.artifacts import MANIFEST_SHA256, ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
+from gnnlm.workdir.manifests import MANIFEST_SHA256
 from gnnlm.workdir.predates import own_manifests, work_directory_of
 
 

@@ -13,8 +13,9 @@ from gnnlm.cli import main
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.knn_cache import build_knn_cache
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
-from gnnlm.workdir.artifacts import ArtifactBuilder, read_manifest
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
 from tests.conftest import CPU, LM, REPO
 from tests.fakes import error_of, save_lm_checkpoint, write_corpus, write_features
 

@@ -8,8 +8,8 @@ import pytest
 
 from gnnlm.pipeline.config import load_config
 from gnnlm.pipeline.stages import stage_base_lm, stage_features, stage_retrieval
-from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

@@ -50,7 +50,7 @@ from gnnlm.models.settings import (  # noqa: F401
     check_keys,
     gguf_file,
 )
-from gnnlm.workdir.artifacts import file_sha256
+from gnnlm.workdir.fingerprints import file_sha256
 
 _LLAMA_STYLE = {"att": "model.layers.-1.mlp:input", "final": "model.norm:output"}
 KEY_PATHS: dict[str, dict[str, str]] = {

@@ -47,9 +47,10 @@ from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
 from gnnlm.retrieval.search import Searcher, exact_search, rescore
 from gnnlm.utils.devices import faiss_has_gpu
 from gnnlm.utils.metrics import ppl_from_logprobs
-from gnnlm.workdir.artifacts import ArtifactError, is_complete, read_manifest
 from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
+from gnnlm.workdir.manifests import is_complete, read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 
 # The rows' meaning: 2 labels rows by what was searched and adds the index-scores row. It belongs
 # in the ablation artifact's fingerprint config, so a table of another version is rebuilt.

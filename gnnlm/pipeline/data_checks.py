@@ -30,8 +30,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from gnnlm.workdir.artifacts import is_complete, open_array, read_manifest
 from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir
+from gnnlm.workdir.manifests import is_complete, open_array, read_manifest
 
 # WikiText-2 keeps the `<unk>` of its source in the text: its train, valid and test splits are
 # 2.6%, 5.4% and 6.2% `<unk>` (word level, every position). Cut to its 10,000 most frequent

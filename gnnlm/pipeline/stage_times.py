@@ -23,7 +23,7 @@ from typing import Optional
 from gnnlm.utils.progress import format_seconds, say
 from gnnlm.utils.provenance import code_version
 from gnnlm.utils.stopping import Stopped
-from gnnlm.workdir.artifacts import write_json_atomic
+from gnnlm.workdir.manifests import write_json_atomic
 
 
 class StageTimes:

@@ -48,16 +48,12 @@ from gnnlm.text.words import SUBWORD_KINDS, scored_words
 from gnnlm.utils import environment
 from gnnlm.utils.metrics import check_finite
 from gnnlm.utils.stopping import Stopped
-from gnnlm.workdir.artifacts import (
-    ArtifactBuilder,
-    changed_hint,
-    is_complete,
-    open_array,
-    read_manifest,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.checkpoints import datamodule_args
 from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir
 from gnnlm.workdir.lock import lock_workdir
+from gnnlm.workdir.manifests import is_complete, open_array, read_manifest
+from gnnlm.workdir.refusals import changed_hint
 
 
 def stage_base_lm(cfg: PipelineConfig, workdir: Workdir) -> tuple[BaseLM, TokenStore, dict, str]:

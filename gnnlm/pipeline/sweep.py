@@ -38,7 +38,7 @@ from gnnlm.retrieval.knn import (
 )
 from gnnlm.retrieval.knn_cache import open_knn_cache
 from gnnlm.retrieval.sanity import TEMPERATURE_EFFECT_NOTE
-from gnnlm.workdir.artifacts import write_json_atomic
+from gnnlm.workdir.manifests import write_json_atomic
 
 # what a sweep records of its caches' search (an index re-ranked exactly gives exact scores
 # whatever ``scores`` says); caches from before these were recorded leave them None

@@ -31,9 +31,11 @@ from gnnlm.models.encode import encode_windows, open_with_bos, protocol, sliding
 from gnnlm.text.bos import BosRule
 from gnnlm.text.tokens import TokenStore
 from gnnlm.utils.metrics import check_finite
-from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, open_array, read_manifest
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import SPLITS, Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
 from gnnlm.workdir.ranks import Devices, Rank, run_on_ranks
+from gnnlm.workdir.refusals import ArtifactError
 from gnnlm.workdir.shards import ShardedJob, totals
 
 

@@ -34,8 +34,10 @@ from gnnlm.retrieval.settings import (  # noqa: F401  (the settings, importable 
 from gnnlm.retrieval.torch_ivf import add_assigned, train_ivf, trains_on_torch
 from gnnlm.retrieval.tuning import tune
 from gnnlm.utils.devices import faiss_device, torch_device
-from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, read_manifest
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 
 INDEX_FILE = "index.faiss"
 

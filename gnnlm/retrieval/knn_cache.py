@@ -29,15 +29,10 @@ from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
 from gnnlm.retrieval.search import exhaustive_index, rescore  # noqa: F401  (importable from here)
 from gnnlm.retrieval.settings import SCORES, check_scores  # noqa: F401  (importable from here)
 from gnnlm.utils.metrics import check_finite, perplexity
-from gnnlm.workdir.artifacts import (
-    ArtifactBuilder,
-    ArtifactError,
-    changed_hint,
-    check_inputs,
-    open_array,
-    read_manifest,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
+from gnnlm.workdir.refusals import ArtifactError, changed_hint, check_inputs
 
 # What a cache manifest records of its neighbours' search (``search_facts``).
 SEARCH_FACTS = ("backend", "factory", "nprobe", "rerank", "scores_are_exact")

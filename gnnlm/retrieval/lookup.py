@@ -22,8 +22,8 @@ from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.neighbors import neighbor_values
 from gnnlm.retrieval.search import Searcher, rescore
 from gnnlm.retrieval.settings import check_scores
-from gnnlm.workdir.artifacts import read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
 
 
 def stored(features: Any) -> np.ndarray:

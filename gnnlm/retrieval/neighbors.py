@@ -45,17 +45,12 @@ from gnnlm.retrieval.search import Searcher
 from gnnlm.retrieval.settings import NeighborsConfig  # the settings, importable from here too
 from gnnlm.utils.devices import faiss_has_gpu
 from gnnlm.utils.progress import say
-from gnnlm.workdir.artifacts import (
-    ArtifactBuilder,
-    ArtifactError,
-    canonical_json,
-    check_inputs,
-    is_complete,
-    open_array,
-    read_manifest,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
+from gnnlm.workdir.fingerprints import canonical_json
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import is_complete, open_array, read_manifest
 from gnnlm.workdir.ranks import Rank, run_on_ranks
+from gnnlm.workdir.refusals import ArtifactError, check_inputs
 from gnnlm.workdir.shards import ShardedJob, totals
 
 

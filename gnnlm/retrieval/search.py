@@ -32,8 +32,8 @@ from gnnlm.retrieval.exact import ExactSearch
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.retrieval.settings import METRICS, check_metric  # noqa: F401  (importable from here)
 from gnnlm.utils.devices import faiss_device, torch_device
-from gnnlm.workdir.artifacts import read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
 
 # Below its BLAS threshold faiss sums in another order, and a query's similarities would depend
 # on how many were searched with it (generation searches one at a time, scoring thousands): an

@@ -1,7 +1,12 @@
 """The work directory: artifact folders, their paths, and the runs that write them.
 
-- ``artifacts``: manifests with every file's sha256, fingerprints, atomic completion
-  (``<name>.partial`` → ``<name>``), resumable chunked builds;
+- ``fingerprints``: fingerprints, file sha256, the artifacts this process read or built;
+- ``refusals``: ``ArtifactError``, what differs and the ``--rebuild`` that remakes an artifact;
+- ``manifests``: manifests with every file's sha256 and their own, read back and checked;
+- ``integrity``: an artifact's files and sources against its manifest;
+- ``builder``: ``ArtifactBuilder``, atomic completion (``<name>.partial`` → ``<name>``),
+  resumable chunked builds;
+- ``artifacts``: the most used of those names, importable from here as well;
 - ``layout``: ``Workdir``, the one owner of every artifact's path;
 - ``lock``: one run per work directory (``flock`` on ``<workdir>/.lock``);
 - ``checkpoints``: ``gnnlm fit`` checkpoints read as plain data, the classes they may hold;

@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gnnlm.workdir.artifacts import ArtifactError, read_manifest
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 
 SPLITS = ("train", "valid", "test")
 EVAL_SPLITS = ("valid", "test")

@@ -19,14 +19,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gnnlm.workdir.artifacts import (
-    ArtifactError,
-    canonical_json,
-    is_complete,
-    manifest_digest,
-    read_manifest,
-    seen_artifacts,
-)
+from gnnlm.workdir.fingerprints import canonical_json, seen_artifacts
+from gnnlm.workdir.manifests import is_complete, manifest_digest, read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 
 REPORT = "results.json"
 # the field of a report holding the sha256 of the rest of it, and the one naming its artifacts

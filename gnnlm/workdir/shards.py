@@ -24,13 +24,8 @@ from typing import Any, Optional
 import numpy as np
 
 from gnnlm.utils.progress import track
-from gnnlm.workdir.artifacts import (
-    RANK_PROGRESS,
-    ArtifactBuilder,
-    is_complete,
-    read_manifest,
-    write_json_atomic,
-)
+from gnnlm.workdir.builder import RANK_PROGRESS, ArtifactBuilder
+from gnnlm.workdir.manifests import is_complete, read_manifest, write_json_atomic
 from gnnlm.workdir.ranks import Rank
 
 

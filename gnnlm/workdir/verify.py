@@ -1,7 +1,7 @@
 """``gnnlm verify WORKDIR``: checks that every artifact of a work directory is whole and unchanged.
 
 A run that reuses an artifact checks its files' sizes, and the sha256 of those up to
-``gnnlm.workdir.artifacts.REUSE_CHECK_BYTES``; this command reads every file of every artifact
+``gnnlm.workdir.builder.REUSE_CHECK_BYTES``; this command reads every file of every artifact
 against its manifest (after copying a work directory, or to check the big files a reuse does not
 read), each manifest against its own checksum, and each artifact's recorded inputs (``reads``)
 against the artifacts the work directory now holds; then each report (``reports/<name>/``)
@@ -21,16 +21,9 @@ import os
 import time
 from pathlib import Path
 
-from gnnlm.workdir.artifacts import (
-    MANIFEST,
-    MANIFEST_SHA256,
-    ArtifactError,
-    data_files,
-    file_problems,
-    read_manifest,
-    rebuild_hint,
-    stale_reads,
-)
+from gnnlm.workdir.integrity import data_files, file_problems, stale_reads
+from gnnlm.workdir.manifests import MANIFEST, MANIFEST_SHA256, read_manifest
+from gnnlm.workdir.refusals import ArtifactError, rebuild_hint
 from gnnlm.workdir.reports import ARTIFACTS, REPORT, check_report
 
 

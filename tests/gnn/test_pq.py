@@ -18,8 +18,9 @@ from gnnlm.gnn.pq import (
     codec_factory,
     held_out_sample,
 )
-from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 from tests.fakes import write_features
 
 N, D = 3000, 32

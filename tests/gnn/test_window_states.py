@@ -20,9 +20,9 @@ from gnnlm.gnn.graph import METADATA, GraphConfig, build_context_graph, build_gr
 from gnnlm.gnn.layer import GNNStack
 from gnnlm.gnn.window_states import WindowStates
 from gnnlm.lit.gnn import GNNLM
-from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.checkpoints import load_checkpoint
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
 from tests.fakes import randomise
 
 D_MODEL, N_TRAIN = 16, 200

@@ -13,7 +13,7 @@ import torch
 
 import gnnlm
 from gnnlm.text.bos import BosRule
-from gnnlm.workdir.artifacts import open_array, read_manifest
+from gnnlm.workdir.manifests import open_array, read_manifest
 
 PROMPT = "The game was released in Japan"
 

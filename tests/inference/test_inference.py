@@ -16,7 +16,7 @@ import torch
 
 import gnnlm
 from gnnlm.models.protocols import layout
-from gnnlm.workdir.artifacts import open_array, read_manifest
+from gnnlm.workdir.manifests import open_array, read_manifest
 from tests.conftest import REPO, run_gnnlm
 from tests.fakes import error_of
 

@@ -235,8 +235,8 @@ def test_the_pipeline_s_log_probabilities_are_transformers_own(smollm2, small_sl
     from gnnlm.models.encode import sliding_windows
     from gnnlm.pipeline.config import load_config
     from gnnlm.pipeline.stages import check_vocabulary, stage_features, stage_tokens
-    from gnnlm.workdir.artifacts import open_array, read_manifest
     from gnnlm.workdir.layout import Workdir
+    from gnnlm.workdir.manifests import open_array, read_manifest
 
     cfg = load_config(["-c", "configs/tests/hf_family.yaml", f"--base_lm.ckpt={SMOLLM2}",
                        f"--corpus.path={small_slice}", f"--workdir={tmp_path / 'work'}",

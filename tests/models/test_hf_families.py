@@ -362,7 +362,7 @@ def assert_generation_is_gnnlm_s_from_scratch_and_hugging_face_s(work, folder, n
 def assert_log_probabilities_are_the_model_s_own(work, manifest, folder, family):
     """The pipeline's ``log p_LM(target)`` against ``model(input_ids).logits`` on the same
     windows, built here from the tokens: [BOS] + the stream where the family opens with BOS."""
-    from gnnlm.workdir.artifacts import open_array, read_manifest
+    from gnnlm.workdir.manifests import open_array, read_manifest
 
     tokens_manifest = read_manifest(work / "tokens")
     tokens = np.asarray(open_array(work / "tokens", "valid", tokens_manifest), dtype=np.int64)

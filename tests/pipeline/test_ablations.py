@@ -21,7 +21,7 @@ from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.knn_cache import build_knn_cache
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
 from gnnlm.retrieval.search import rescore
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
 from tests import fakes
 

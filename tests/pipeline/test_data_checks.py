@@ -18,7 +18,7 @@ from gnnlm.text.tokens import (
     WordTokenizer,
     build_tokens,
 )
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
 from tests.fakes import write_corpus, write_features
 

@@ -22,8 +22,10 @@ from gnnlm.pipeline.dependencies import (
     rebuild_set,
     stage_graph,
 )
-from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, read_manifest
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 from tests.conftest import PIPELINE
 from tests.fakes import error_of
 

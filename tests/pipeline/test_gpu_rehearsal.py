@@ -19,7 +19,7 @@ import pytest
 
 import gnnlm
 from gnnlm.pipeline.config_files import merged_yaml
-from gnnlm.workdir.artifacts import open_array, read_manifest
+from gnnlm.workdir.manifests import open_array, read_manifest
 from tests.conftest import REHEARSAL_SIZE_OVERLAYS, REPO, yaml_leaves
 from tests.rehearsal import undeclared_changes
 

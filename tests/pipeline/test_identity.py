@@ -13,13 +13,11 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from gnnlm.workdir.artifacts import (
-    ArtifactBuilder,
-    ArtifactError,
-    fingerprint,
-    read_manifest,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
+from gnnlm.workdir.fingerprints import fingerprint
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 from tests.conftest import wikitext_slice
 from tests.fakes import as_older_code_wrote_it, write_corpus
 from tests.families import FAMILIES, save_family, train_bpe

@@ -19,8 +19,9 @@ from gnnlm.retrieval.features import build_features, open_features
 from gnnlm.retrieval.knn_cache import search_facts
 from gnnlm.text.tokens import TokenStore
 from gnnlm.utils.metrics import ppl_from_logprobs, unigram_logprobs
-from gnnlm.workdir.artifacts import ArtifactError, open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 from tests.conftest import PIPELINE, PROBE_WHEEL, run_gnnlm
 
 pytestmark = pytest.mark.integration

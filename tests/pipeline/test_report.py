@@ -13,7 +13,7 @@ from gnnlm.pipeline import rows
 from gnnlm.pipeline.report_analyses import recall_buckets
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.utils.provenance import code_version
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
 from tests.fakes import write_features
 

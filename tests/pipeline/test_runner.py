@@ -77,7 +77,7 @@ def test_a_head_records_the_protocol_it_was_scored_with(tmp_path):
     """Segment models say their segments, streams and memory (the data module's own); heads
     that score the datastore's positions read its sliding windows (the features' manifest)."""
     from gnnlm.pipeline.scoring import scoring_protocol
-    from gnnlm.workdir.artifacts import ArtifactBuilder
+    from gnnlm.workdir.builder import ArtifactBuilder
     from gnnlm.workdir.layout import Workdir
 
     wd = Workdir(tmp_path)

@@ -9,7 +9,7 @@ import pytest
 
 from gnnlm.pipeline.sweep import run_sweep, sweep_caches, write_sweep
 from gnnlm.retrieval.knn import default_temperatures, evaluate, fit
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
 
 
 def write_cache(path, n, K, seed, scores="faiss", **facts):

@@ -11,8 +11,8 @@ from gnnlm.retrieval.exact import ExactSearch, half_products_accumulate_in_float
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
 from gnnlm.retrieval.search import Searcher
-from gnnlm.workdir.artifacts import read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
 
 METRICS = ("cos", "ip", "l2")
 

@@ -18,8 +18,9 @@ from gnnlm.retrieval.features import (
     open_features,
 )
 from gnnlm.text.tokens import build_tokens
-from gnnlm.workdir.artifacts import ArtifactError, open_array
 from gnnlm.workdir.layout import SPLITS, Workdir
+from gnnlm.workdir.manifests import open_array
+from gnnlm.workdir.refusals import ArtifactError
 
 CONTEXT, STRIDE = 16, 6
 

@@ -13,8 +13,9 @@ import pytest
 from gnnlm.retrieval.index import IndexConfig, auto_factory, build_index, pq_subquantizers
 from gnnlm.retrieval.search import Searcher, exact_search, recall_at
 from gnnlm.retrieval.tuning import measured_recall
-from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 from tests.fakes import write_features
 
 

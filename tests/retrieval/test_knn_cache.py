@@ -19,8 +19,8 @@ from gnnlm.retrieval.knn_cache import (
     search_facts,
 )
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
-from gnnlm.workdir.artifacts import ArtifactError
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.refusals import ArtifactError
 from tests import fakes
 
 

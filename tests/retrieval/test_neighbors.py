@@ -14,8 +14,9 @@ from gnnlm.retrieval.neighbors import (
     open_neighbors,
 )
 from gnnlm.retrieval.search import exact_search
-from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 from tests import fakes
 
 

@@ -19,8 +19,9 @@ from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, neighbor
 from gnnlm.spalm.analysis import frequency_buckets, gate_histogram, markdown
 from gnnlm.spalm.model import Spalm
 from gnnlm.utils.metrics import target_nll
-from gnnlm.workdir.artifacts import ArtifactBuilder, open_array
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array
 from tests.fakes import save_lm_checkpoint, write_features
 
 V, D = 20, 16

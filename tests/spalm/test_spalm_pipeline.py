@@ -11,8 +11,8 @@ import pytest
 
 from datamodules.spalm import SpalmDataModule
 from gnnlm.retrieval.features import open_features
-from gnnlm.workdir.artifacts import open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
 
 pytestmark = pytest.mark.integration
 

@@ -7,16 +7,9 @@ import numpy as np
 import pytest
 
 from gnnlm.utils.provenance import code_version
-from gnnlm.workdir.artifacts import (
-    MANIFEST_SHA256,
-    ArtifactBuilder,
-    ArtifactError,
-    check_inputs,
-    differences,
-    manifest_digest,
-    open_array,
-    read_manifest,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
+from gnnlm.workdir.manifests import MANIFEST_SHA256, manifest_digest, open_array, read_manifest
+from gnnlm.workdir.refusals import ArtifactError, check_inputs, differences
 from tests.fakes import error_of
 
 

@@ -22,10 +22,11 @@ from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.knn_cache import build_knn_cache
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
 from gnnlm.utils.metrics import check_finite
-from gnnlm.workdir import artifacts
-from gnnlm.workdir.artifacts import ArtifactBuilder, ArtifactError, read_manifest, write_json_atomic
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
 from gnnlm.workdir.lock import LOCK_FILE, WorkdirBusy, lock_workdir
+from gnnlm.workdir.manifests import MANIFEST_SHA256, read_manifest, write_json_atomic
+from gnnlm.workdir.refusals import ArtifactError
 from tests.conftest import CPU, REPO
 from tests.fakes import error_of, write_features
 
@@ -99,7 +100,7 @@ def test_a_file_above_the_reuse_limit_has_its_size_checked_and_verify_reads_it(w
                                                                              capsys):
     folder = wd.features("test")
     flip(folder / "final.bin")
-    monkeypatch.setattr(artifacts, "REUSE_CHECK_BYTES", 0)
+    monkeypatch.setattr("gnnlm.workdir.builder.REUSE_CHECK_BYTES", 0)
     assert write_features_again(wd)  # reused: the big file's bytes are not read
     assert error_of(["verify", str(wd.root)], capsys) == (
         f"gnnlm verify: error: 1 of 8 artifacts in {wd.root} are damaged: "
@@ -121,7 +122,7 @@ def write_features_again(wd):
 def strip_checksums(folder):
     manifest = read_manifest(folder)
     manifest.pop("files")
-    manifest.pop(artifacts.MANIFEST_SHA256)
+    manifest.pop(MANIFEST_SHA256)
     for spec in manifest["arrays"].values():
         spec.pop("sha256")
     write_json_atomic(folder / "manifest.json", manifest)
@@ -152,7 +153,7 @@ def test_a_manifest_whose_checksum_was_removed_is_refused(wd):
     folder = wd.features("test")
     manifest = read_manifest(folder)
     manifest["n"] = 59
-    manifest.pop(artifacts.MANIFEST_SHA256)
+    manifest.pop(MANIFEST_SHA256)
     write_json_atomic(folder / "manifest.json", manifest)
     said = (f"{folder / 'manifest.json'} records no manifest_sha256, but the other manifests of "
             f"{wd.root} do (e.g. features/train/manifest.json): its checksum was removed, so an "

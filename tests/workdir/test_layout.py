@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gnnlm.workdir.artifacts import ArtifactError
 from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir, retrieval_tag
+from gnnlm.workdir.refusals import ArtifactError
 from tests.fakes import write_features
 
 

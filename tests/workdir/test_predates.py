@@ -8,9 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from gnnlm.workdir.artifacts import MANIFEST_SHA256, ArtifactBuilder, ArtifactError, read_manifest
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import MANIFEST_SHA256, read_manifest
 from gnnlm.workdir.predates import ARTIFACT_FOLDERS, checksummed_manifest, work_directory_of
+from gnnlm.workdir.refusals import ArtifactError
 
 
 def artifact(path, kind="demo"):

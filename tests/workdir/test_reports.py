@@ -16,14 +16,10 @@ import pytest
 
 import gnnlm
 from gnnlm.inference.served import NotServed
-from gnnlm.workdir.artifacts import (
-    MANIFEST_SHA256,
-    ArtifactBuilder,
-    ArtifactError,
-    read_manifest,
-    write_json_atomic,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import MANIFEST_SHA256, read_manifest, write_json_atomic
+from gnnlm.workdir.refusals import ArtifactError
 from gnnlm.workdir.reports import ARTIFACTS, REPORT_SHA256, check_report, seal
 from gnnlm.workdir.verify import find_artifacts
 from tests.conftest import REPO

@@ -23,8 +23,9 @@ from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.multi_gpu import shard_over_gpus
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors
 from gnnlm.retrieval.search import Searcher
-from gnnlm.workdir.artifacts import ArtifactBuilder, read_manifest
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
 from gnnlm.workdir.ranks import Rank, resolve_devices
 from gnnlm.workdir.shards import ShardedJob, deal, done_chunks, totals
 from tests import sharded_setup as setup

@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 
-from gnnlm.workdir.artifacts import MANIFEST_SHA256, ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
+from gnnlm.workdir.manifests import MANIFEST_SHA256
 from gnnlm.workdir.verify import check_artifact, find_artifacts, size
 
 
