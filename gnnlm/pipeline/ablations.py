@@ -32,9 +32,9 @@ from typing import Any, Optional
 import numpy as np
 
 from gnnlm.models import protocols
-from gnnlm.pipeline.config import AblationConfig
 from gnnlm.pipeline.rows import BASE
 from gnnlm.pipeline.rows import label as report_label
+from gnnlm.pipeline.settings import AblationConfig
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.knn import fit_and_score
 from gnnlm.retrieval.knn_cache import (

@@ -22,10 +22,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from gnnlm.pipeline import rows
+from gnnlm.pipeline.fit_configs import check_fit_config
+from gnnlm.pipeline.head_checks import reads_pq
 from gnnlm.workdir.verify import find_artifacts
 
 if TYPE_CHECKING:
-    from gnnlm.pipeline.config import PipelineConfig
+    from gnnlm.pipeline.settings import PipelineSettings
     from gnnlm.workdir.layout import Workdir
 
 # Every stage but the heads, in pipeline order, with the stages it reads.
@@ -54,11 +56,8 @@ FOLDERS = {"tokens": "tokens", "features": "features", "index": "index",
 
 
 def gnn_reads_pq(configs: list[str]) -> bool:
-    """Whether GNN-LM's window nodes read the PQ codes (``config_checks.reads_pq`` of its parsed
+    """Whether GNN-LM's window nodes read the PQ codes (``head_checks.reads_pq`` of its parsed
     data module): then the pipeline builds them before it, and it reads them."""
-    from gnnlm.pipeline.config_checks import reads_pq
-    from gnnlm.pipeline.training import check_fit_config
-
     return reads_pq(check_fit_config(configs).data)
 
 
@@ -67,7 +66,7 @@ def head_reads(row: str, configs: list[str]) -> tuple[str, ...]:
     return HEAD_READS + (("pq",) if row == rows.GNN and gnn_reads_pq(configs) else ())
 
 
-def stage_graph(cfg: PipelineConfig) -> dict[str, tuple[str, ...]]:
+def stage_graph(cfg: PipelineSettings) -> dict[str, tuple[str, ...]]:
     """Every stage of this run, in pipeline order, with the stages it reads: ``STAGE_READS``
     with this run's heads, by row, after the PQ codes."""
     graph: dict[str, tuple[str, ...]] = {}
@@ -78,7 +77,7 @@ def stage_graph(cfg: PipelineConfig) -> dict[str, tuple[str, ...]]:
     return graph
 
 
-def named_stages(cfg: PipelineConfig, graph: dict[str, tuple[str, ...]]) -> set[str]:
+def named_stages(cfg: PipelineSettings, graph: dict[str, tuple[str, ...]]) -> set[str]:
     """The stages ``--rebuild`` names: ``all`` is every stage, ``heads`` every head and the
     ablations' memory LM."""
     if isinstance(cfg.rebuild, bool):
@@ -105,7 +104,7 @@ def downstream(graph: dict[str, tuple[str, ...]], named: set[str]) -> set[str]:
     return closed
 
 
-def rebuild_set(cfg: PipelineConfig) -> set[str]:
+def rebuild_set(cfg: PipelineSettings) -> set[str]:
     """The stages this run rebuilds although complete: those ``--rebuild`` names, closed
     downward (``downstream``)."""
     graph = stage_graph(cfg)
@@ -119,7 +118,7 @@ def finished(workdir: Workdir, stage: str) -> bool:
     return folder.is_dir() and bool(find_artifacts(folder)[0])
 
 
-def cascade_line(cfg: PipelineConfig, workdir: Workdir) -> Optional[str]:
+def cascade_line(cfg: PipelineSettings, workdir: Workdir) -> Optional[str]:
     """The one line that says which finished stages ``--rebuild`` also rebuilds because they
     read what it names, the trained ones among them named as retrained; None when there are
     none (or every stage is rebuilt: ``true``, ``all``)."""

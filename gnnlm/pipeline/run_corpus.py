@@ -18,13 +18,13 @@ from gnnlm.pipeline.config_files import merged_yaml, yaml_list
 from gnnlm.text.corpus import check_corpus
 
 if TYPE_CHECKING:
-    from gnnlm.pipeline.config import PipelineConfig
+    from gnnlm.pipeline.settings import PipelineSettings
 
 # LMDataModule's corpus arguments and their defaults (datamodules.lm, not imported: torch)
 DEFAULTS = {"corpus": "wikitext-2", "corpus_path": None, "data_dir": None}
 
 
-def run_corpus(cfg: PipelineConfig) -> Optional[tuple[str, Optional[str], Optional[str]]]:
+def run_corpus(cfg: PipelineSettings) -> Optional[tuple[str, Optional[str], Optional[str]]]:
     """The corpus the run reads: ``(name, path, data_dir)``; None when the config names none."""
     if cfg.corpus is not None:
         return cfg.corpus.name, cfg.corpus.path, cfg.corpus.data_dir
@@ -43,7 +43,7 @@ def run_corpus(cfg: PipelineConfig) -> Optional[tuple[str, Optional[str], Option
     return args["corpus"], args.get("corpus_path"), args.get("data_dir")
 
 
-def check_run_corpus(cfg: PipelineConfig) -> None:
+def check_run_corpus(cfg: PipelineSettings) -> None:
     """Refuse a run whose corpus would not be found (``gnnlm.text.corpus.check_corpus``)."""
     corpus = run_corpus(cfg)
     if corpus is not None:

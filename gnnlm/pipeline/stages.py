@@ -30,13 +30,15 @@ from gnnlm.pipeline.ablations import (
     run_ablations,
     scores_label,
 )
-from gnnlm.pipeline.config import CorpusConfig, PipelineConfig, load_config
+from gnnlm.pipeline.config import PipelineConfig, load_config
 from gnnlm.pipeline.config_files import yaml_list
 from gnnlm.pipeline.dependencies import cascade_line, gnn_reads_pq
+from gnnlm.pipeline.fit_configs import check_fit_configs
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.scoring import head_logprobs
+from gnnlm.pipeline.settings import CorpusConfig
 from gnnlm.pipeline.stage_times import StageTimes, timed
-from gnnlm.pipeline.training import check_fit_configs, fit_with_cli
+from gnnlm.pipeline.training import fit_with_cli
 from gnnlm.retrieval.features import build_all_features
 from gnnlm.retrieval.index import build_index
 from gnnlm.retrieval.knn import fit_and_score, fit_lambda, interpolate

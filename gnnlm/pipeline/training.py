@@ -1,28 +1,36 @@
 """Training a trained part of the pipeline (the base LM, a head, the ablations' memory LM) through
-LightningCLI: its identity, the fit, resuming a killed fit, and its starting weights.
+LightningCLI: its identity, the fit, resuming a killed fit, stopping it between two steps, and
+what the manifest records of how it ended.
 
 Each becomes an artifact ``workdir.model(name)`` holding ``model.ckpt`` and, for heads, the
 per-token scores of the valid and test targets (``gnnlm.pipeline.scoring``), so that every row of
 the report scores exactly the same tokens. With ``gnnlm.pipeline.scoring`` and the memory rows of
 ``gnnlm.pipeline.ablations``, this is where the library runs the Lightning glue (``gnnlm.lit``,
-``datamodules``); ``check_fit_config`` parses a trained part's config without building it.
+``datamodules``). Which weights a fit keeps is ``gnnlm.pipeline.kept_weights``'s;
+``gnnlm.pipeline.fit_configs`` parses a trained part's config without building it.
 """
 from __future__ import annotations
 
 import datetime
-import functools
-import logging
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from gnnlm.pipeline.config_checks import check_head
 from gnnlm.pipeline.config_files import merged_texts, merged_yaml
+from gnnlm.pipeline.fit_configs import cli_bases
+from gnnlm.pipeline.kept_weights import (
+    INITIAL_WEIGHTS,
+    keep_initial_weights,
+    restore_best_weights,
+    validate_before_training,
+    validation_curve,
+    validation_metric,
+)
 from gnnlm.pipeline.scoring import choose_eval_k, predict_extras, predict_tokens, scoring_protocol
 from gnnlm.utils.progress import say
 from gnnlm.utils.quiet import quiet_lightning, resumed_fit
@@ -35,12 +43,6 @@ from gnnlm.workdir.artifacts import (
 )
 from gnnlm.workdir.checkpoints import load_checkpoint, plain_classes
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
-
-if TYPE_CHECKING:
-    import pytorch_lightning as pl
-    from jsonargparse import Namespace
-
-    from gnnlm.pipeline.config import PipelineConfig
 
 # Settings of a `gnnlm fit` config that do not change what it trains, left out of the trained
 # part's identity: the work directory and the log folder, which fit_with_cli sets on the command
@@ -136,24 +138,13 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
                             weights_only=True)
         if cli.trainer.interrupted:  # e.g. a signal Lightning handled: the build is not done
             raise KeyboardInterrupt(f"training {name} was interrupted")
-        training = how_training_ended(cli.trainer, builder.progress.get("training") or {})
+        ended = how_training_ended(cli.trainer, builder.progress.get("training") or {})
         best_step = restore_best_weights(cli)
-        metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
-        if best_step is not None:  # the kept weights' score, not the last validation's
-            callback = cli.trainer.checkpoint_callback
-            metrics[callback.monitor] = float(callback.best_model_score)
+        # the fit's last metrics, before keep_initial_weights may validate again
+        last_metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
         kept = keep_initial_weights(cli, start, run.validations, builder)
-        if kept is not None:
-            metrics.update(kept)
-        # which weights are scored: the best validation's, the starting ones, or the last step's
-        training["kept_step"] = 0 if kept is not None else (
-            best_step if best_step is not None else training["steps"])
-        curve = ([(0, float(start["score"]))] if start is not None else []) + \
-            run.validations.curve
-        if curve:
-            training["valid_curve"] = {"metric": run.validations.metric,
-                                       "steps": [step for step, _ in curve],
-                                       "scores": [score for _, score in curve]}
+        training, metrics = what_was_kept(cli.trainer, ended, last_metrics, start,
+                                          run.validations, best_step, kept)
         cli.trainer.save_checkpoint(builder.file("model.ckpt"))
         extra = {"ckpt": "model.ckpt", "train_seconds": round(time.perf_counter() - t0, 2),
                  "metrics": metrics, "model_class": type(cli.model).__name__,
@@ -192,10 +183,6 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
     return manifest
 
 
-# the trained part's weights before its first step, kept in the unfinished build until it ends
-INITIAL_WEIGHTS = "initial_weights.pt"
-
-
 def checkpoint_seconds() -> float:
     """How often a fit writes the checkpoint it resumes from: ``GNNLM_CHECKPOINT_SECONDS``
     (default 300, so a killed run loses at most five minutes)."""
@@ -210,7 +197,7 @@ def instantiate_fit(workdir: Workdir, name: str, configs: list[str],
     from gnnlm.lit.cli import GnnlmCLI
 
     quiet_lightning()
-    return GnnlmCLI(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
+    return GnnlmCLI(*cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
                     args=[*(a for c in configs for a in ("-c", c)),
                           f"--data.init_args.workdir={workdir.root}",
                           f"--trainer.default_root_dir={workdir.logs(name)}",
@@ -239,7 +226,7 @@ class TrainingRun:
         self.resume_dir = Path(os.path.realpath(logs / "resume" / builder.fingerprint))
         self.resume_from: Optional[str] = None
         monitored = trainer.checkpoint_callback
-        self.validations = validation_curve(_validation_metric(trainer)[0])
+        self.validations = validation_curve(validation_metric(trainer)[0])
         trainer.callbacks.append(self.validations)
         last = self.resume_dir / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt"
         # a stop signal ends the fit between two steps, saving ``last`` first
@@ -326,9 +313,7 @@ def how_training_ended(trainer, training: dict) -> dict:
     ended it before ``max_steps`` (its weights are then those of a shorter training than the
     config names), "diverged" when EarlyStopping stopped it because its monitored metric became
     NaN or infinite (or crossed its ``divergence_threshold``), else "max_steps", "max_epochs" or
-    "early stopping". ``fit_with_cli`` adds ``kept_step``, the step whose weights are kept (0:
-    the starting ones), and ``valid_curve``, the monitored metric at every validation (step 0:
-    before training)."""
+    "early stopping". ``what_was_kept`` adds which weights were kept."""
     from pytorch_lightning.callbacks import Timer
 
     steps, max_steps = int(trainer.global_step), trainer.max_steps
@@ -369,201 +354,26 @@ def diverged(trainer) -> bool:
     return False
 
 
-def _validation_metric(trainer) -> tuple[str, str]:
-    """The metric that picks the kept weights and its direction: the monitored one, or val/ppl."""
-    callback = trainer.checkpoint_callback
-    if callback is not None and callback.monitor:
-        return callback.monitor, callback.mode
-    return "val/ppl", "min"
-
-
-def validate_before_training(trainer, model, datamodule, weights_file: Path) -> Optional[dict]:
-    """Score the starting weights on valid (``trainer.validate``, the fit's own limits) and save
-    them to ``weights_file``, so that training can never leave a model worse than it started
-    (GNN-LM starts as the base LM). None when the config does not validate."""
-    if trainer.limit_val_batches == 0:
-        return None
-    from lightning_fabric.utilities.seed import _collect_rng_states, _set_rng_states
-
-    metric, mode = _validation_metric(trainer)
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights_file)
-    # the random streams as they were: each loader draws its seed from them, so without this
-    # the fit would shuffle (and drop out) otherwise than the same config trained without the
-    # extra validation, and a seeded config would no longer give the weights it gave
-    rng = _collect_rng_states()
-    with torch.serialization.safe_globals(plain_classes()):
-        results = trainer.validate(model, datamodule=datamodule, verbose=False)
-    _set_rng_states(rng)
-    _reset_metrics(model)
-    if not results or metric not in results[0]:
-        return None
-    return {"metric": metric, "mode": mode, "score": float(results[0][metric])}
-
-
-def _reset_metrics(model) -> None:
-    """Reset the model's torchmetrics states outside inference mode: ``trainer.validate`` left
-    them as inference tensors, which the fit's validation (under no_grad) cannot update."""
-    from torchmetrics import Metric
-
-    for module in model.modules():
-        if isinstance(module, Metric):
-            module.reset()
-
-
-def validation_curve(metric: str):
-    """A callback that records ``metric`` at every validation of the fit: ``curve``, a list of
-    (step, score), and ``step`` / ``score`` of the last one (-1 / nan before any). The curve is
-    part of the checkpoint a killed fit resumes from, so a resumed fit records it whole."""
-    from pytorch_lightning.callbacks import Callback
-    from pytorch_lightning.trainer.states import TrainerFn
-
-    class ValidationCurve(Callback):
-        def __init__(self) -> None:
-            self.metric = metric
-            self.curve: list[tuple[int, float]] = []
-
-        @property
-        def step(self) -> int:
-            return self.curve[-1][0] if self.curve else -1
-
-        @property
-        def score(self) -> float:
-            return self.curve[-1][1] if self.curve else float("nan")
-
-        def on_validation_end(self, trainer, pl_module) -> None:
-            value = trainer.callback_metrics.get(metric)
-            if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING and \
-                    value is not None:
-                self.curve.append((int(trainer.global_step), float(value)))
-
-        def state_dict(self) -> dict:
-            return {"curve": [list(point) for point in self.curve]}
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            self.curve = [(int(step), float(score)) for step, score in state_dict["curve"]]
-
-    return ValidationCurve()
-
-
-def keep_initial_weights(cli, start: Optional[dict], last,
-                         builder: ArtifactBuilder) -> Optional[dict]:
-    """Put the starting weights back when the kept weights score worse on valid than they did.
-
-    The kept weights' score is the monitored callback's best, else that of the last validation
-    when it ran at the last step, else a validation now. Returns ``{metric: starting score}``
-    when the starting weights were kept, else None."""
-    if start is None:
-        return None
-    metric, mode, initial = start["metric"], start["mode"], float(start["score"])
-    trainer = cli.trainer
-    callback = trainer.checkpoint_callback
-    if (callback is not None and callback.monitor == metric and callback.best_model_path
-            and callback.best_model_score is not None):
-        final = float(callback.best_model_score)
-    elif last.step == trainer.global_step:
-        final = last.score
-    else:
-        with torch.serialization.safe_globals(plain_classes()):
-            results = trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
-        final = float(results[0].get(metric, float("nan"))) if results else float("nan")
-    better = final < initial if mode == "min" else final > initial
-    if better or final == initial:
-        return None
-    state = torch.load(builder.file(INITIAL_WEIGHTS), map_location="cpu", weights_only=True)
-    cli.model.load_state_dict(state)
-    say(f"[gnnlm] {builder.path.name}: valid {metric} after training {final:.4g} is not better "
-        f"than before it ({initial:.4g}): keeping the initial weights")
-    return {metric: initial}
-
-
-def restore_best_weights(cli) -> Optional[int]:
-    """Load the monitored checkpoint callback's best weights into ``cli.model``, if any, and
-    return the step they were saved at (None: the last step's weights stay)."""
-    callback = cli.trainer.checkpoint_callback
-    best = getattr(callback, "best_model_path", "") if callback is not None else ""
-    if callback is not None and callback.monitor and best:
-        checkpoint = load_checkpoint(best)
-        cli.model.load_state_dict(checkpoint["state_dict"])
-        return int(checkpoint["global_step"])
-    return None
-
-
-class _Parsed(Exception):
-    """Raised by ``check_fit_config`` once LightningCLI has parsed, before it builds anything,
-    with the parsed ``fit`` namespace."""
-
-    def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
-
-
-def check_fit_config(configs: list[str]) -> Namespace:
-    """Parse ``gnnlm fit -c configs[0] -c configs[1] …`` without building anything and return
-    the parsed ``fit`` namespace (every argument, with the classes' defaults for what the YAMLs
-    leave out): an unknown key, a typo'd class path or a value of the wrong type stops the
-    pipeline before its slow stages, with one message naming the files. A chain parsed before
-    with the same texts is not parsed again."""
-    texts: list[Optional[str]] = []
-    for path in configs:
-        try:
-            texts.append(Path(path).read_text())
-        except OSError:
-            texts.append(None)  # the parser says what is wrong with it
-    return _parsed_fit_config(tuple(configs), tuple(texts))
-
-
-@functools.lru_cache(maxsize=64)
-def _parsed_fit_config(configs: tuple[str, ...], texts: tuple[Optional[str], ...]) -> Namespace:
-    """``check_fit_config``'s parse, once per chain of files and their texts."""
-    import contextlib
-    import io
-
-    from gnnlm.lit.cli import GnnlmCLI
-
-    class ParseOnly(GnnlmCLI):
-        def before_instantiate_classes(self) -> None:
-            raise _Parsed(self.config["fit"])
-
-    quiet_lightning()
-    printed = io.StringIO()
-    seed_log = logging.getLogger("lightning_fabric.utilities.seed")
-    level, seed_log.level = seed_log.level, logging.WARNING  # no "Seed set" line per check
-    try:
-        with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(io.StringIO()):
-            ParseOnly(*_cli_bases(), subclass_mode_model=True, subclass_mode_data=True,
-                      args=["fit", *(a for c in configs for a in ("-c", c))])
-    except _Parsed as parsed:
-        return parsed.config
-    except SystemExit:
-        text = printed.getvalue()
-        error = text[text.find("error:") + len("error:"):] if "error:" in text else text
-        from gnnlm.lit.config_errors import unknown_key
-
-        unknown = unknown_key(error)
-        if unknown is not None:
-            raise ValueError(f"The `gnnlm fit` config {' + '.join(configs)} does not parse: "
-                             f"{unknown}") from None
-        details = [line.strip() for line in error.splitlines()
-                   if line.strip() and not line.strip().startswith(("Subtypes:", "- Expected a",
-                                                                     "Given value"))]
-        raise ValueError(f"The `gnnlm fit` config {' + '.join(configs)} does not parse: "
-                         f"{' '.join(details)[:600]}") from None
-    finally:
-        seed_log.setLevel(level)
-    raise AssertionError("LightningCLI returned without parsing")  # ParseOnly always raises
-
-
-def check_fit_configs(cfg: PipelineConfig) -> None:
-    """Parse every trained part's config (``check_fit_config``), then check each head's parsed
-    data module against the retrieval artifacts the pipeline builds
-    (``gnnlm.pipeline.config_checks.check_head``): before any work, nothing built."""
-    for chain in cfg.fit_chains():
-        check_fit_config(chain)
-    for row, paths in cfg.heads().items():
-        check_head(cfg, row, paths, check_fit_config(paths).data)
-
-
-def _cli_bases() -> tuple[type[pl.LightningModule], type[pl.LightningDataModule]]:
-    import pytorch_lightning as pl
-
-    return pl.LightningModule, pl.LightningDataModule
+def what_was_kept(trainer, training: dict, metrics: dict, start: Optional[dict], validations,
+                  best_step: Optional[int], kept: Optional[dict]) -> tuple[dict, dict]:
+    """The manifest's ``training`` and ``metrics`` with the weights the fit keeps: ``training``
+    (``how_training_ended``'s) with ``kept_step``, the step whose weights are kept (0: the
+    starting ones, ``kept``; else the best validation's, ``best_step``; else the last step's),
+    and ``valid_curve``, the monitored metric at every validation (``validations``; step 0: the
+    starting weights' score, ``start``); ``metrics`` (the fit's last) with the kept weights'
+    score in place of the last validation's."""
+    metrics = dict(metrics)
+    if best_step is not None:  # the kept weights' score, not the last validation's
+        callback = trainer.checkpoint_callback
+        metrics[callback.monitor] = float(callback.best_model_score)
+    if kept is not None:
+        metrics.update(kept)
+    # which weights are scored: the best validation's, the starting ones, or the last step's
+    training = {**training, "kept_step": 0 if kept is not None else (
+        best_step if best_step is not None else training["steps"])}
+    curve = ([(0, float(start["score"]))] if start is not None else []) + validations.curve
+    if curve:
+        training["valid_curve"] = {"metric": validations.metric,
+                                   "steps": [step for step, _ in curve],
+                                   "scores": [score for _, score in curve]}
+    return training, metrics

@@ -7,7 +7,7 @@ import pytest
 
 from gnnlm.pipeline.config import load_config
 from gnnlm.pipeline.config_files import merged_yaml
-from gnnlm.pipeline.training import check_fit_configs
+from gnnlm.pipeline.fit_configs import check_fit_configs
 from tests.conftest import CPU
 
 pytestmark = pytest.mark.usefixtures("in_repo")

@@ -12,7 +12,7 @@ import torch
 def test_pipeline_keeps_the_best_monitored_weights(tmp_path, monitor):
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from gnnlm.pipeline.training import restore_best_weights
+    from gnnlm.pipeline.kept_weights import restore_best_weights
 
     best, last = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     torch.save({"state_dict": best.state_dict(), "global_step": 7}, tmp_path / "best.ckpt")
@@ -48,7 +48,7 @@ def test_a_checkpoint_written_by_the_trainer_restores_the_best_weights(tmp_path)
     from gnnlm.lit.lm import LanguageModel
     from gnnlm.lit.settings import OptimConfig
     from gnnlm.pipeline.ablations import load_language_model
-    from gnnlm.pipeline.training import restore_best_weights
+    from gnnlm.pipeline.kept_weights import restore_best_weights
 
     torch.manual_seed(0)
     model = LanguageModel(vocab_size=30, context_length=8, n_layer=1, n_head=2, d_model=16,
