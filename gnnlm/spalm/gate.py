@@ -59,7 +59,14 @@ class SpalmGate(nn.Module):
             h, weight = h.float(), weight.float()
             valid = nbr_values >= 0                                       # [B, K]
             table = weight if value_weight is None else value_weight.float()
-            y = table[nbr_values.clamp(min=0)]                            # [B, K, d]
+            ids = nbr_values.clamp(min=0)
+            # on CPU an embedding, not table[ids]: there the backward of advanced indexing
+            # (index_put_ with accumulate) adds into W's rows from several threads in a
+            # varying order, while the embedding's adds each row's gradients in the order
+            # its ids come, whatever the threads (the sums one thread gave, on every run).
+            # CUDA's index_put_ already sums in that order; its embedding would group the
+            # sums differently, so a GPU keeps the indexing.
+            y = F.embedding(ids, table) if table.device.type == "cpu" else table[ids]
             scores = torch.einsum("bkd,bd->bk", y, h).masked_fill(~valid, float("-inf"))
             attn = torch.softmax(scores, dim=-1).nan_to_num(0.0)          # no neighbour → m = 0
             m = torch.einsum("bk,bkd->bd", attn, y)                       # [B, d]
