@@ -5,8 +5,9 @@ LM's output embedding, and the valid/test/predict loaders.
 
 What is known only when the data module runs, not when it is configured, comes in through one
 method, ``connect`` (as litgpt's data modules take their tokenizer): the split ``predict``
-scores (``gnnlm.pipeline.scoring`` scores valid and test in turn with one data module) and, for
-GNN-LM's graphs, the evaluation k.
+scores (``gnnlm.pipeline.scoring`` scores valid and test in turn with one data module), a text
+to serve in place of a split (``datamodules.splits``: ``gnnlm score`` reads a text through the
+loaders that scored the report) and, for GNN-LM's graphs, the evaluation k.
 
 Layer: ``datamodules`` sits between ``gnnlm.lit`` and ``gnnlm.pipeline``
 (``datamodules/__init__.py``): imports go down to the library, never to the pipeline.
@@ -22,11 +23,12 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from datamodules.splits import TEXT, SplitArrays, TextArrays
 from gnnlm.models.base import LogitTransform
 from gnnlm.models.encode import stream_tensor
-from gnnlm.retrieval.features import load_output_embedding, open_features
-from gnnlm.workdir.artifacts import ArtifactError
+from gnnlm.retrieval.features import load_output_embedding
 from gnnlm.workdir.layout import SPLITS, Workdir
+from gnnlm.workdir.refusals import ArtifactError
 
 
 class WorkdirDataModule(pl.LightningDataModule):
@@ -37,6 +39,7 @@ class WorkdirDataModule(pl.LightningDataModule):
     def __init__(self, workdir: str, predict_split: str):
         super().__init__()
         self.workdir = Workdir(workdir)
+        self.arrays = SplitArrays(self.workdir)  # what the loaders read of each split
         self.predict_split = ""
         self.connect(predict_split=predict_split)
 
@@ -53,14 +56,25 @@ class WorkdirDataModule(pl.LightningDataModule):
             raise ValueError(f"predict_split must be one of {', '.join(SPLITS)} "
                              f"(got {split!r}).")
 
-    def connect(self, predict_split: Optional[str] = None) -> None:
-        """Settings known only at run time: ``predict_split``, the split ``predict`` scores
-        (None: unchanged)."""
+    def connect(self, predict_split: Optional[str] = None,
+                text: Optional[TextArrays] = None) -> None:
+        """Settings known only at run time (None: unchanged): ``predict_split``, the split
+        ``predict`` scores; ``text``, a text's arrays, which ``predict`` then scores in place of
+        a split (under the split name ``TEXT``), in this process."""
+        if text is not None:
+            self.arrays.text = text
+            predict_split = TEXT
         if predict_split is not None:
-            if predict_split not in SPLITS:
+            if predict_split not in SPLITS and not (predict_split == TEXT
+                                                    and self.arrays.text is not None):
                 raise ValueError(f"predict_split must be one of {', '.join(SPLITS)} "
                                  f"(got {predict_split!r}).")
             self.predict_split = predict_split
+
+    def workers(self, split: str) -> int:
+        """DataLoader worker processes for ``split``: a text, held in memory and short, is read
+        in this process."""
+        return 0 if split == TEXT else int(getattr(self, "num_workers", 0))
 
     @contextlib.contextmanager
     def reading_artifacts(self, what: str) -> Iterator[None]:
@@ -94,8 +108,7 @@ class WorkdirDataModule(pl.LightningDataModule):
     def token_stream(self, split: str, n: int, bos_id: int) -> torch.Tensor:
         """The datastore's token stream of ``split``: ``[bos]`` + the first ``n`` targets of its
         features, so the tokens are exactly those the features were computed on."""
-        targets = open_features(self.workdir.features(split))[1]["targets"]
-        return stream_tensor(np.asarray(targets[:n]), bos_id)
+        return stream_tensor(np.asarray(self.arrays.targets(split)[:n]), bos_id)
 
     def output_embedding(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The base LM's output embedding ``(W [V, d], b [V] or None)``."""

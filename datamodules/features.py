@@ -18,58 +18,48 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.base import WorkdirDataModule
 from datamodules.sampling import eval_sampler
-from gnnlm.retrieval.features import check_key, open_features
+from datamodules.splits import SplitArrays
 from gnnlm.retrieval.neighbors import neighbor_values
 from gnnlm.utils.devices import pin_memory
-from gnnlm.workdir.artifacts import open_array, read_manifest
-from gnnlm.workdir.layout import Workdir
 
 
 class NeighborValues:
     """The values (next tokens) of the first ``k`` retrieved train positions of a split's
-    positions, read from ``workdir.neighbors(key, metric, split)`` (-1 where fewer were found)."""
+    positions, from the split's stored neighbours (-1 where fewer were found)."""
 
-    def __init__(self, workdir: Workdir, key: str, metric: str, split: str, k: int):
-        self.workdir, self.k = workdir, k
-        self.dir = workdir.neighbors(key, metric, split)
-        manifest = read_manifest(self.dir, kind="neighbors")
-        if not 1 <= k <= manifest["K"]:
+    def __init__(self, arrays: SplitArrays, key: str, metric: str, split: str, k: int):
+        self.arrays, self.key, self.metric, self.split, self.k = arrays, key, metric, split, k
+        self.dir = arrays.neighbors_location(key, metric, split)
+        # positions covered (train neighbours may cover only a prefix) and neighbours stored
+        self.n, stored = arrays.neighbor_shape(key, metric, split)
+        if not 1 <= k <= stored:
             raise ValueError(f"retrieved={k} neighbour values asked for, but {self.dir} holds "
-                             f"K={manifest['K']} per position: choose 1 <= retrieved <= K.")
-        self.n = manifest["n"]  # positions covered (train neighbours may cover only a prefix)
-        self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None  # opened in each worker
+                             f"K={stored} per position: choose 1 <= retrieved <= K.")
 
     def __call__(self, positions) -> torch.Tensor:
         """``positions``: a slice or an index array of the split → values ``[..., k]`` int64."""
-        if self._arrays is None:
-            self._arrays = (open_array(self.dir, "ids"),
-                            open_features(self.workdir.features("train"))[1]["targets"])
-        ids, targets = self._arrays
-        return torch.from_numpy(neighbor_values(ids[positions, : self.k], targets)
-                                .astype(np.int64))
+        ids = self.arrays.neighbor_ids(self.key, self.metric, self.split)
+        return torch.from_numpy(neighbor_values(ids[positions, : self.k],
+                                                self.arrays.targets("train")).astype(np.int64))
 
 
 class FeatureBlocks(Dataset):
-    def __init__(self, workdir: Workdir, split: str, key: str, block_size: int,
+    def __init__(self, arrays: SplitArrays, split: str, key: str, block_size: int,
                  values: Optional[NeighborValues] = None, max_tokens: Optional[int] = None):
-        self.workdir, self.split, self.key, self.block_size = workdir, split, key, block_size
-        manifest = workdir.features_manifest(split)
-        check_key(manifest, key)
+        self.arrays, self.split, self.key, self.block_size = arrays, split, key, block_size
+        arrays.check_key(split, key)
         self.values = values
-        n = manifest["n"] if values is None else values.n  # train neighbours: maybe a prefix
+        n = arrays.n(split) if values is None else values.n  # train neighbours: maybe a prefix
         self.n = n if max_tokens is None else min(n, max_tokens)
         if self.n == 0:
-            raise ValueError(f"Split {split!r} has no positions in {workdir.features(split)}.")
-        self._arrays: Optional[tuple[np.ndarray, np.ndarray]] = None  # opened in each worker
+            raise ValueError(f"Split {split!r} has no positions to read.")
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)
 
     def __getitem__(self, i: int) -> dict:
-        if self._arrays is None:
-            feats = open_features(self.workdir.features(self.split))[1]
-            self._arrays = (feats[self.key], feats["targets"])
-        h, targets = self._arrays
+        feats = self.arrays.features(self.split)
+        h, targets = feats[self.key], feats["targets"]
         rows = slice(i * self.block_size, min((i + 1) * self.block_size, self.n))
         item = {"h": torch.from_numpy(np.asarray(h[rows], dtype=np.float32)),
                 "target": torch.from_numpy(np.asarray(targets[rows], dtype=np.int64)),
@@ -116,11 +106,11 @@ class FeatureDataModule(WorkdirDataModule):
             raise ValueError(f"retrieved must be >= 0 (got {retrieved}).")
 
     def _loader(self, split: str, train: bool) -> DataLoader:
-        values = (NeighborValues(self.workdir, self.key, self.metric, split, self.retrieved)
+        values = (NeighborValues(self.arrays, self.key, self.metric, split, self.retrieved)
                   if self.retrieved else None)
-        data = FeatureBlocks(self.workdir, split, self.key, self.block_size, values,
+        data = FeatureBlocks(self.arrays, split, self.key, self.block_size, values,
                              self.train_tokens if split == "train" else self.eval_tokens)
-        return DataLoader(data, batch_size=None, shuffle=train, num_workers=self.num_workers,
+        return DataLoader(data, batch_size=None, shuffle=train, num_workers=self.workers(split),
                           pin_memory=pin_memory(),
                           sampler=None if train else eval_sampler(self, data))
 

@@ -44,13 +44,12 @@ from torch_geometric.loader import DataLoader
 
 from datamodules.base import WorkdirDataModule
 from datamodules.sampling import eval_sampler
+from datamodules.splits import SplitArrays, TextArrays
 from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.pq import PQFeatures, RawFeatures
 from gnnlm.gnn.settings import GraphLayout
-from gnnlm.retrieval.features import open_features
 from gnnlm.utils.devices import pin_memory
-from gnnlm.workdir.artifacts import open_array, read_manifest
-from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
 
 
 class GraphBlocks(Dataset):
@@ -58,41 +57,35 @@ class GraphBlocks(Dataset):
     with ``node_features=None``, the block without its windows (``ctx.retrieved`` instead:
     evaluation only)."""
 
-    def __init__(self, workdir: Workdir, split: str, key: str, metric: str, node_features,
+    def __init__(self, arrays: SplitArrays, split: str, key: str, metric: str, node_features,
                  block_size: int, graph: GraphConfig, leakage_window: Optional[int],
                  max_tokens: Optional[int] = None):
         if node_features is None and leakage_window:
             raise ValueError("Blocks without window nodes are evaluation blocks: the leakage "
                              "rule of train graphs drops nodes per token.")
-        self.workdir, self.split, self.key = workdir, split, key
+        self.arrays, self.split, self.key, self.metric = arrays, split, key, metric
         self.node_features, self.block_size, self.graph = node_features, block_size, graph
         # 0 masks nothing (the no-masking ablation): recorded as None, no rule at all
         self.leakage_window = leakage_window if leakage_window else None
-        self.n_train = workdir.n_positions("train")
-        self.nbr_dir = workdir.neighbors(key, metric, split)
-        nbr_manifest = read_manifest(self.nbr_dir, kind="neighbors")
-        if nbr_manifest["K"] < graph.k:
-            raise ValueError(f"The graph keeps k={graph.k} neighbours per token but "
-                             f"{self.nbr_dir} holds only K={nbr_manifest['K']}: lower graph.k or "
-                             f"rebuild the neighbours with a larger K.")
+        self.n_train = arrays.n("train")
         # train neighbours may cover only a prefix (neighbors.train_queries)
-        self.n = min(nbr_manifest["n"], max_tokens or nbr_manifest["n"])
+        covered, stored = arrays.neighbor_shape(key, metric, split)
+        if stored < graph.k:
+            raise ValueError(f"The graph keeps k={graph.k} neighbours per token but "
+                             f"{arrays.neighbors_location(key, metric, split)} holds only "
+                             f"K={stored}: lower graph.k or rebuild the neighbours with a "
+                             f"larger K.")
+        self.n = min(covered, max_tokens or covered)
         if self.n == 0:
             raise ValueError(f"Split {split!r} has no positions to build graphs from.")
-        # memmaps, opened lazily in each worker
-        self._arrays: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
-
-    def _open(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        _, feats = open_features(self.workdir.features(self.split))
-        return feats[self.key], feats["targets"], open_array(self.nbr_dir, "ids")
 
     def __len__(self) -> int:
         return -(-self.n // self.block_size)
 
     def __getitem__(self, i: int) -> HeteroData:
-        if self._arrays is None:
-            self._arrays = self._open()
-        ctx_feats, targets, ids = self._arrays
+        feats = self.arrays.features(self.split)
+        ctx_feats, targets = feats[self.key], feats["targets"]
+        ids = self.arrays.neighbor_ids(self.key, self.metric, self.split)
         ctx_pos = np.arange(i * self.block_size, min((i + 1) * self.block_size, self.n))
         # all K stored neighbours: leaky ones are skipped for the next (train graphs)
         nbr_ids = np.asarray(ids[ctx_pos[0]: ctx_pos[-1] + 1], dtype=np.int64)
@@ -191,11 +184,13 @@ class GraphDataModule(WorkdirDataModule):
         """What the model is linked with: the graphs' shape without k, which stays here."""
         return self.graph.layout
 
-    def connect(self, predict_split: Optional[str] = None, eval_k: Optional[int] = None) -> None:
-        """Settings known only at run time (None: unchanged): ``predict_split``, and
-        ``eval_k``, the windows per token of valid/test graphs (``gnnlm pipeline`` tries each of
-        ``eval_ks`` on valid, then scores with the best)."""
-        super().connect(predict_split=predict_split)
+    def connect(self, predict_split: Optional[str] = None, text: Optional[TextArrays] = None,
+                eval_k: Optional[int] = None) -> None:
+        """Settings known only at run time (None: unchanged): ``predict_split`` and ``text``
+        (``WorkdirDataModule.connect``), and ``eval_k``, the windows per token of valid/test
+        graphs (``gnnlm pipeline`` tries each of ``eval_ks`` on valid, then scores with the
+        best)."""
+        super().connect(predict_split=predict_split, text=text)
         if eval_k is not None:
             if eval_k < 1:
                 raise ValueError(f"eval_k must be a positive number of windows per token "
@@ -233,7 +228,7 @@ class GraphDataModule(WorkdirDataModule):
         graph = dataclasses.replace(self.graph, k=k or self.current_k(None))
         train = split == "train"
         with_windows = train or self.eval_windows == "per_retrieval"
-        return GraphBlocks(self.workdir, split, self.key, self.metric,
+        return GraphBlocks(self.arrays, split, self.key, self.metric,
                            self.node_features() if with_windows else None, self.block_size,
                            graph, self.leakage_window if train else None,
                            self.train_tokens if train else self.eval_tokens)
@@ -242,7 +237,7 @@ class GraphDataModule(WorkdirDataModule):
     def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:
         data = self.dataset(split, k)
         return DataLoader(data, batch_size=self.batch_size if train else self.eval_batch_size,
-                          shuffle=train, num_workers=self.num_workers, pin_memory=pin_memory(),
+                          shuffle=train, num_workers=self.workers(split), pin_memory=pin_memory(),
                           persistent_workers=False,
                           sampler=None if train else eval_sampler(self, data))
 

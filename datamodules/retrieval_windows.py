@@ -24,8 +24,9 @@ from datamodules.sampling import eval_sampler
 from gnnlm.models import hf_options, protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.utils.devices import pin_memory
-from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import SPLITS
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 
 
 class WithNeighborValues(Dataset):
@@ -92,7 +93,7 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
         return protocols.sliding_window(self.context, self.stride, self.window_bos is not None)
 
     def _values(self, split: str) -> NeighborValues:
-        return NeighborValues(self.workdir, self.key, self.metric, split, self.retrieved)
+        return NeighborValues(self.arrays, self.key, self.metric, split, self.retrieved)
 
     def train_dataloader(self) -> DataLoader:
         values = self._values("train")
@@ -109,7 +110,7 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
 
     def eval_dataloader(self, split: str) -> DataLoader:
         values = self._values(split)
-        n = self.manifests[split]["n"]
+        n = self.arrays.n(split)
         if values.n != n:
             raise ArtifactError(f"{values.dir} covers {values.n} positions but the {split} "
                                 f"features hold {n}: rebuild the neighbours.")
@@ -117,5 +118,5 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
                                  self.stride, self.window_bos)
         data = WithNeighborValues(windows, values)
         return DataLoader(data, batch_size=self.eval_batch_size, shuffle=False,
-                          num_workers=self.num_workers, pin_memory=pin_memory(),
+                          num_workers=self.workers(split), pin_memory=pin_memory(),
                           sampler=eval_sampler(self, data))

@@ -33,8 +33,9 @@ from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.models.segments import StreamSegments
 from gnnlm.utils.devices import pin_memory
-from gnnlm.workdir.artifacts import ArtifactError, read_manifest
 from gnnlm.workdir.layout import SPLITS
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 
 
 class SegmentsWithValues(StreamSegments):
@@ -120,7 +121,8 @@ class SpalmDataModule(WorkdirDataModule):
             raise ValueError(f"eval_streams must be >= 1 (got {streams}).")
 
     def n_positions(self, split: str) -> int:
-        """Positions served for ``split``: the covered train prefix, or every valid/test one."""
+        """Positions served for ``split``: the covered train prefix, or every valid/test (or
+        text) one."""
         if split == "train":
             asked = self.train_tokens
             if asked is not None and not 0 < asked <= self.train_covered:
@@ -128,7 +130,7 @@ class SpalmDataModule(WorkdirDataModule):
                                  f"first {self.train_covered} positions: lower train_tokens or "
                                  f"build neighbours for more train queries.")
             return asked or self.train_covered
-        return int(self.manifests[split]["n"])
+        return self.arrays.n(split)
 
     def scoring_protocol(self, memory: int) -> Protocol:
         """How valid/test are scored by a model with ``memory`` cached states per layer."""
@@ -137,7 +139,7 @@ class SpalmDataModule(WorkdirDataModule):
     def _values(self, split: str) -> Optional[NeighborValues]:
         if not self.retrieved:
             return None
-        values = NeighborValues(self.workdir, self.key, self.metric, split, self.retrieved)
+        values = NeighborValues(self.arrays, self.key, self.metric, split, self.retrieved)
         if split != "train" and values.n != self.n_positions(split):
             raise ArtifactError(f"{values.dir} covers {values.n} positions but the {split} "
                                 f"features hold {self.n_positions(split)}: rebuild the "
@@ -165,7 +167,7 @@ class SpalmDataModule(WorkdirDataModule):
             batch_size = n_streams // world
         data = self.segments(split, n_streams)
         return DataLoader(data, batch_size=batch_size, shuffle=False,
-                          num_workers=self.num_workers, pin_memory=pin_memory(),
+                          num_workers=self.workers(split), pin_memory=pin_memory(),
                           sampler=None if split == "train" else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

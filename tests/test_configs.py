@@ -14,7 +14,7 @@ from gnnlm.lit.cli import GnnlmCLI
 from gnnlm.pipeline.config import load_config
 from gnnlm.pipeline.config_files import merged_texts, merged_yaml, yaml_list
 from gnnlm.pipeline.fit_configs import check_fit_configs
-from gnnlm.pipeline.rows import HEAD_CONFIGS, LEARNED_WDS
+from gnnlm.workdir.rows import HEAD_CONFIGS, LEARNED_WDS
 from tests.conftest import REHEARSAL_SIZE_OVERLAYS, REPO, data_dir, yaml_leaves
 from tests.rehearsal import REHEARSAL_OTHER_CHANGES, REHEARSAL_SIZE_FIELDS, undeclared_changes
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gnnlm.cli import USAGE, main
-from gnnlm.pipeline.rows import HEAD_FIELDS
+from gnnlm.workdir.rows import HEAD_FIELDS
 from tests.conftest import CPU, LM, REPO
 from tests.fakes import error_of
 

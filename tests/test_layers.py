@@ -3,8 +3,9 @@
 From the bottom: utils < workdir < text < models < retrieval < gnn < spalm < lit < datamodules <
 pipeline < inference < cli. A module may import its own package and the packages below it,
 never one above.
-Every import counts, also those inside functions (a lazy import is a dependency all the same),
-except those under ``if TYPE_CHECKING:`` (annotations only, never run).
+Every import counts: those inside functions (a lazy import is a dependency all the same) and
+those under ``if TYPE_CHECKING:`` (an annotation that names a type from above, or from a module
+that imports this one, ties the two modules as much as a run-time import does).
 """
 from __future__ import annotations
 
@@ -33,23 +34,12 @@ def layer(module: str) -> int:
                 if module == prefix or module.startswith(prefix + "."))
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
 def imports(path: Path, known: dict[str, Path]) -> set[str]:
     """The package's modules that ``path`` imports (a name imported from a package resolves to
     its submodule when there is one)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _type_checking_only(node):
-            for child in getattr(node, "orelse", []):
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

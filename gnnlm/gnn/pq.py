@@ -21,8 +21,9 @@ import torch
 from gnnlm.gnn.settings import PQConfig  # the settings, without faiss: importable from here too
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.utils.progress import format_seconds, say
-from gnnlm.workdir.artifacts import ArtifactBuilder, open_array, read_manifest
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
 
 
 def codec_factory(d: int, m: int, opq: bool) -> str:

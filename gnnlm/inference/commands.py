@@ -71,7 +71,7 @@ def check_served(workdir: str, report: Optional[str], rows: list[str]) -> None:
 
     served = Served(Workdir(workdir), report)
     for row in rows:
-        served.check_row(row)
+        served.row(row)
 
 
 def _notes(command: str, caught: list) -> None:
@@ -100,8 +100,6 @@ def score_main(args: list[str]) -> dict:
 
     lm = TrainedLM(namespace.workdir, namespace.report)
     chosen = namespace.rows or lm.rows
-    for row in chosen:
-        lm.served.check_row(row)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         scores = lm.score(text, list(chosen), **_overrides(namespace))
@@ -151,7 +149,6 @@ def generate_main(args: list[str]) -> Optional[list]:
     from gnnlm.inference.model import TrainedLM
 
     lm = TrainedLM(namespace.workdir, namespace.report)
-    lm.served.check_row(namespace.row)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = lm.generate(namespace.prompt, namespace.row, namespace.max_new_tokens,

@@ -24,7 +24,7 @@ agree to float rounding at every step (``tests/inference/test_inference.py``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -34,25 +34,22 @@ from torch.nn import functional as F
 from gnnlm.gnn.dense import context_layout
 from gnnlm.gnn.graph import select_neighbors
 from gnnlm.gnn.incremental import ContextStates
-from gnnlm.gnn.trained import TrainedGNN
-from gnnlm.inference.heads import FeatureHead, FinetunedSpalm, SegmentSpalm
-from gnnlm.inference.served import NotServed, RowSettings
+from gnnlm.inference.heads import FeatureHead, FinetunedSpalm, GNNHead, SegmentSpalm
+from gnnlm.inference.parts import LMParts
+from gnnlm.inference.served import NotServed, RowSettings, ServedRow
 from gnnlm.models.base import BaseLM, Features, float32
 from gnnlm.models.decode import StreamDecoder, stream_features
 from gnnlm.models.gpt import GPT, KVCache
-from gnnlm.pipeline import rows
 from gnnlm.pipeline.precision import FLOAT32, served_in
 from gnnlm.retrieval.knn import interpolate, interpolate_support, knn_support
 from gnnlm.retrieval.lookup import stored
-
-if TYPE_CHECKING:
-    from gnnlm.inference.model import TrainedLM
+from gnnlm.workdir import rows
 
 
 class LMReader:
     """An LM's features at the newest positions of the streams, under the sliding windows."""
 
-    def __init__(self, model: BaseLM, lm: TrainedLM, incremental: bool):
+    def __init__(self, model: BaseLM, lm: LMParts, incremental: bool):
         self.model, self.lm = model, lm
         self.decoder = StreamDecoder(model, lm.context, lm.stride, lm.bos_id,
                                      lm.bos_each_window) if incremental else None
@@ -73,7 +70,7 @@ class GNNReader:
     """GNN-LM's output at the newest context node of its block: the block's nodes kept
     (``ContextStates``), or the whole block so far read again by ``WindowStates.forward``."""
 
-    def __init__(self, lm: TrainedLM, gnn: TrainedGNN, incremental: bool):
+    def __init__(self, lm: LMParts, gnn: GNNHead, incremental: bool):
         self.states, self.block_size = lm.window_states(), gnn.block_size
         self.context = ContextStates(self.states, gnn.block_size) if incremental else None
         self.block = -1
@@ -140,23 +137,21 @@ class Decoder:
     """log p(next token) [B, V] of one row after each ``append`` to B streams of one length.
 
     Args:
-        lm: the work directory's ``TrainedLM``.
-        row: one of ``lm.rows``.
+        lm: the work directory's parts (``TrainedLM``).
+        row: one of its report's rows (``lm.served.row(name)``).
         settings: the row's settings (``lm.settings(row, ...)``).
         incremental: keep each state a token leaves (generation), or recompute from the stream.
     """
 
-    def __init__(self, lm: TrainedLM, row: str, settings: RowSettings, incremental: bool):
-        lm.served.check_row(row)
+    def __init__(self, lm: LMParts, row: ServedRow, settings: RowSettings, incremental: bool):
         self.lm, self.row, self.settings, self.incremental = lm, row, settings, incremental
         self.frozen = LMReader(lm.base_lm, lm, incremental)
-        served = lm.served.row(row)
         # kNN-LM over the base LM (knn) or over a head (gnn+knn, <head>+knn)
-        self.knn = lm.served.retrieval(row) if served.knn else None
-        self.head = None if served.on_base_lm else lm.head(row)
-        self.precision = lm.served.precision(row)  # the head runs as predict scored it
-        self.with_base = served.interpolation and self.knn is None  # <head>+base
-        self.gnn = GNNReader(lm, self.head, incremental) if isinstance(self.head, TrainedGNN) \
+        self.knn = row.retrieval if row.row.knn else None
+        self.head = None if row.row.on_base_lm else lm.head(row)
+        self.precision = row.precision  # the head runs as predict scored it
+        self.with_base = row.row.interpolation and self.knn is None  # <head>+base
+        self.gnn = GNNReader(lm, self.head, incremental) if isinstance(self.head, GNNHead) \
             else None
         self.tuned = LMReader(self.head.lm, lm, incremental) \
             if isinstance(self.head, FinetunedSpalm) else None
@@ -219,14 +214,13 @@ class Decoder:
 
     # -- the rows -----------------------------------------------------------------------------
     def logprobs(self, tokens: Tensor) -> Tensor:
-        row = self.row
         if self.knn is not None:
             under = self.base_logprobs() if self.head is None else self.head_logprobs(tokens)
             return interpolate_support(under, *self.knn_support(), self.settings.weight)
         if self.with_base:  # <head>+base: the head interpolated with the base LM
             return interpolate(self.base_logprobs(), self.head_logprobs(tokens),
                                self.settings.weight)
-        if row == rows.BASE:
+        if self.row.name == rows.BASE:
             return self.base_logprobs()
         return self.head_logprobs(tokens)
 
@@ -251,8 +245,8 @@ class Decoder:
                                      -1)
 
     def gnn_logprobs(self) -> Tensor:
-        assert isinstance(self.head, TrainedGNN) and self.gnn is not None
-        gnn, k = self.head, int(self.settings.gnn_k or self.head.graph.k)
+        assert isinstance(self.head, GNNHead) and self.gnn is not None
+        gnn, k = self.head.trained, int(self.settings.gnn_k or self.head.graph.k)
         ctx = torch.from_numpy(stored(getattr(self.features(), gnn.key).numpy()))  # [B, n, d]
         ids = self.neighbours(gnn.key, gnn.metric)[1]                      # [B, n, K]
         retrieved = torch.from_numpy(select_neighbors(ids.reshape(-1, ids.shape[-1]), k))
@@ -266,28 +260,31 @@ class Decoder:
 
     def _head_logprobs(self, tokens: Tensor) -> Tensor:
         head = self.head
-        if isinstance(head, TrainedGNN):
+        if isinstance(head, GNNHead):
             return self.gnn_logprobs()
+        if head is None:
+            raise NotServed(f"row {self.row.name!r} reads no head.")
+        key, metric = head.trained.key, head.trained.metric
         if isinstance(head, FeatureHead):
-            h = self._last(head.key)
+            h = self._last(key)
             if head.kind == "wds":
                 return head.module(h)
             weight, bias = self.lm.output_embedding
-            logits, _ = head.module(h, self._values(head.key, head.metric, head.retrieved),
+            logits, _ = head.module(h, self._values(key, metric, head.retrieved),
                                     weight, bias, logit_transform=self.lm.logit_transform)
             return torch.log_softmax(logits, -1)
         if isinstance(head, FinetunedSpalm):
             assert self.tuned is not None
             final = self.tuned.append(tokens, self.length - 1).final[:, -1]
             weight, out_bias = head.lm.output_embedding()
-            logits, _ = head.gate(final, self._values(head.key, head.metric, head.retrieved),
+            logits, _ = head.gate(final, self._values(key, metric, head.retrieved),
                                   weight.float(), None if out_bias is None else out_bias.float(),
                                   logit_transform=head.lm.logit_transform)
             return torch.log_softmax(logits, -1)
         if isinstance(head, SegmentSpalm):
             assert self.segments is not None
             final = self.segments.append(tokens)
-            values = self._values(head.key, head.metric, head.retrieved)[:, :head.k] \
+            values = self._values(key, metric, head.retrieved)[:, :head.k] \
                 if head.k else None
             return torch.log_softmax(head.model.head(final, values)[0].float(), -1)
-        raise NotServed(f"row {self.row!r} cannot be decoded here.")
+        raise NotServed(f"row {self.row.name!r} cannot be decoded here.")

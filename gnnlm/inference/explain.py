@@ -13,7 +13,7 @@ import torch
 
 from gnnlm.inference.decoding import Decoder
 from gnnlm.inference.model import TrainedLM
-from gnnlm.pipeline import rows
+from gnnlm.workdir import rows
 from gnnlm.workdir.layout import Workdir
 
 
@@ -32,7 +32,8 @@ def retrieved_contexts(lm: TrainedLM, text: str, top: int = 3) -> list[dict]:
     """The ``top`` neighbours of the text's last position: datastore position, similarity,
     value and train context."""
     key, metric = lm.primary_retrieval()
-    decoder = Decoder(lm, rows.BASE, lm.settings(rows.BASE), incremental=False)
+    base = lm.served.row(rows.BASE)
+    decoder = Decoder(lm, base, lm.settings(base), incremental=False)
     decoder.start(torch.from_numpy(lm.encode(text, prompt=True))[None])
     sims, ids = (a[0, -1, :top] for a in decoder.neighbours(key, metric))
     values = lm.lookup(key, metric).values(ids)

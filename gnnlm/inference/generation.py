@@ -11,17 +11,15 @@ is a token like any other here).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from gnnlm.inference.decoding import Decoder
+from gnnlm.inference.parts import LMParts, Text
 from gnnlm.inference.sampling import check_sampling
-
-if TYPE_CHECKING:
-    from gnnlm.inference.model import Text, TrainedLM
 
 
 @dataclass
@@ -67,7 +65,7 @@ def choose(logprobs: Tensor, greedy: bool, temperature: Optional[float], top_k: 
     return torch.multinomial(scores.softmax(-1), 1, generator=generator)[:, 0]
 
 
-def generate(lm: TrainedLM, prompt: Union[Text, list[str]], row: str, max_new_tokens: int,
+def generate(lm: LMParts, prompt: Union[Text, list[str]], row: str, max_new_tokens: int,
              greedy: bool = False, temperature: Optional[float] = None,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
              seed: Optional[int] = None, show_retrieval: bool = False,
@@ -78,7 +76,8 @@ def generate(lm: TrainedLM, prompt: Union[Text, list[str]], row: str, max_new_to
     (``knn_k``, ``knn_temperature``, ``lam``, ``gnn_k``). ``incremental=False`` recomputes
     every step from scratch (the reference the incremental decoder is tested against)."""
     check_sampling(max_new_tokens, greedy, temperature, top_k, top_p)
-    settings = lm.settings(row, **overrides)
+    served = lm.served.row(row)  # the row parsed once, at the door
+    settings = lm.settings(served, **overrides)
     batch = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, str) for p in prompt)
     texts: list[Any] = list(prompt) if batch else [prompt]
     prompts = [lm.encode(p, prompt=True) for p in texts]
@@ -89,7 +88,7 @@ def generate(lm: TrainedLM, prompt: Union[Text, list[str]], row: str, max_new_to
     for length in sorted({len(p) for p in prompts}):
         group = [i for i, p in enumerate(prompts) if len(p) == length]
         tokens = torch.from_numpy(np.stack([prompts[i] for i in group]))
-        decoder = Decoder(lm, row, settings, incremental)
+        decoder = Decoder(lm, served, settings, incremental)
         results = _decode(decoder, tokens, max_new_tokens, greedy, temperature, top_k, top_p,
                           generator, show_retrieval, keep_distributions)
         for i, result in zip(group, results):
@@ -116,7 +115,7 @@ def _decode(decoder: Decoder, tokens: Tensor, steps: int, greedy: bool,
             logprobs = decoder.append(token[:, None])
     ids = torch.stack(chosen, 1).numpy()
     values = torch.stack(scores, 1).numpy()
-    return [Generation(decoder.row, tokens[b].numpy(), ids[b], lm.decode(ids[b]), values[b],
+    return [Generation(decoder.row.name, tokens[b].numpy(), ids[b], lm.decode(ids[b]), values[b],
                        [f[b] for f in found], torch.stack([s[b] for s in seen]) if keep else None)
             for b in range(len(ids))]
 

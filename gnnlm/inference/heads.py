@@ -1,140 +1,219 @@
-"""The trained heads of a work directory, read back as plain ``nn.Module``s (no Lightning).
+"""The trained heads of a work directory, read back as the pipeline trained and scored them.
 
-Each ``models/<row>/`` holds the checkpoint ``gnnlm fit`` wrote; its manifest names the
-LightningModule class (``model_class``). The module's saved init arguments rebuild the network,
-its state dict fills it, and the data module's saved arguments say what the head reads: which
-features (``key``), whose neighbours (``key``/``metric``), how many retrieved values
-(``retrieved``), and how the pipeline served it (block sizes, segments, streams).
+Each ``models/<folder>/`` holds the checkpoint ``gnnlm fit`` wrote; the checkpoint records the
+LightningModule and the data module it was trained with (``gnnlm.workdir.checkpoints.
+trained_classes``). Both are built again from their saved init arguments (only this package's
+own heads and data modules: no code from the checkpoint runs), the module is filled with its
+weights and frozen, and the data module reads the work directory. A ``TrainedHead`` is that
+pair: ``gnnlm.inference.scoring`` scores a text with it through the pipeline's own ``predict``
+(``gnnlm.pipeline.scoring.predict_tokens``), the text served in place of a split
+(``datamodules.splits``), so every score of a head has one path.
 
-- ``SpalmLM``: SPALM's gate on the frozen features (``gnnlm.spalm.gate.SpalmGate``);
-- ``LearnedDatastoreLM``: a learned W_ds on frozen features
-  (``gnnlm.models.multi_embedding.MultiEmbeddingSoftmax``);
-- ``SpalmFinetuneLM``: the gate over the base LM whose last block and final norm were trained;
-- ``SpalmXL``: SPALM trained end to end and its transformer / Transformer-XL baselines
-  (``gnnlm.spalm.model.Spalm``), which read segments with memory;
-- ``GNNLM``: ``gnnlm.gnn.trained``.
+Decoding reads the same modules one position at a time, through a view per kind of head:
+
+- ``GNNHead``: GNN-LM (``gnnlm.lit.gnn.GNNLM``), its window-state table shared with scoring;
+- ``FeatureHead``: SPALM's gate on the frozen features (``SpalmLM``) or a learned W_ds
+  (``LearnedDatastoreLM``);
+- ``FinetunedSpalm``: the gate over the base LM whose last block and final norm were trained
+  (``SpalmFinetuneLM``);
+- ``SegmentSpalm``: SPALM trained end to end and its transformer / Transformer-XL baselines
+  (``SpalmXL``), which read segments with memory.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 from dataclasses import dataclass
-from typing import Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
-from torch import nn
-
-from gnnlm.gnn.trained import TrainedGNN, load_trained_gnn
-from gnnlm.models import BaseLM, load_base_lm
+from datamodules.base import WorkdirDataModule
+from datamodules.graph import GraphDataModule
+from gnnlm.gnn.graph import GraphConfig
+from gnnlm.gnn.window_states import WindowStates
+from gnnlm.lit.base import TokenLevelModule
+from gnnlm.lit.datastore import attach_datastore
+from gnnlm.lit.gnn import GNNLM
+from gnnlm.lit.heads import LearnedDatastoreLM, SpalmFinetuneLM, SpalmLM
+from gnnlm.lit.spalm import SpalmXL
+from gnnlm.models import BaseLM
 from gnnlm.models.gpt import GPT
-from gnnlm.models.multi_embedding import MultiEmbeddingSoftmax
-from gnnlm.spalm.gate import SpalmGate
 from gnnlm.spalm.model import Spalm
-from gnnlm.workdir.artifacts import read_manifest
-from gnnlm.workdir.checkpoints import load_checkpoint, model_state
+from gnnlm.workdir.checkpoints import load_checkpoint, trained_classes
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
+
+# the heads a work directory's rows are trained as, and the data modules they read
+SERVED_CLASSES = ("gnnlm.lit.gnn.GNNLM", "gnnlm.lit.heads.SpalmLM",
+                  "gnnlm.lit.heads.LearnedDatastoreLM", "gnnlm.lit.heads.SpalmFinetuneLM",
+                  "gnnlm.lit.spalm.SpalmXL", "datamodules.graph.GraphDataModule",
+                  "datamodules.features.FeatureDataModule",
+                  "datamodules.retrieval_windows.RetrievalWindowsDataModule",
+                  "datamodules.spalm.SpalmDataModule")
+
+
+@dataclass
+class TrainedHead:
+    """A trained head as the pipeline scored it: its LightningModule (``models/<folder>/``'s
+    weights, in eval mode, frozen) and its data module over the work directory."""
+    module: TokenLevelModule
+    data: WorkdirDataModule
+    folder: str
+    manifest: dict
+
+    @property
+    def key(self) -> str:
+        """The features whose neighbours the head reads."""
+        return str(self.data.hparams.get("key", "final"))
+
+    @property
+    def metric(self) -> str:
+        return str(self.data.hparams.get("metric", "cos"))
+
+
+@dataclass
+class GNNHead:
+    """GNN-LM: blocks of ``block_size`` tokens; ``graph`` carries the k chosen on valid
+    (``eval_k``: the valid perplexity of each k the pipeline tried, or None)."""
+    trained: TrainedHead
+    graph: GraphConfig
+    block_size: int
+    eval_k: Optional[dict]
+
+    @property
+    def module(self) -> GNNLM:
+        assert isinstance(self.trained.module, GNNLM)
+        return self.trained.module
+
+    def window_states(self) -> WindowStates:
+        """The module's window-state table: each retrieved window computed once, for every k,
+        by scoring and decoding alike."""
+        return self.module.window_states()
 
 
 @dataclass
 class FeatureHead:
     """A head on the frozen base LM's features, one position at a time: SPALM's gate
     (``gate``, reading ``retrieved`` neighbour values) or a learned W_ds (``wds``)."""
+    trained: TrainedHead
     kind: str
-    module: nn.Module
-    key: str
-    metric: str
     retrieved: int
-    block_size: int
+
+    @property
+    def module(self) -> Any:
+        return self.trained.module.head
 
 
 @dataclass
 class FinetunedSpalm:
-    """SPALM's gate over the base LM with its last block and final norm trained: ``lm`` is that
-    LM, which reads the features' sliding windows; the values come from the frozen LM's
-    neighbours."""
-    lm: BaseLM
-    gate: SpalmGate
-    key: str
-    metric: str
+    """SPALM's gate over the base LM with its last block and final norm trained; the values
+    come from the frozen LM's neighbours."""
+    trained: TrainedHead
     retrieved: int
-    batch_size: int
+
+    @property
+    def lm(self) -> BaseLM:
+        assert isinstance(self.trained.module, SpalmFinetuneLM)
+        return self.trained.module.lm
+
+    @property
+    def gate(self) -> Any:
+        return self.trained.module.head
 
 
 @dataclass
 class SegmentSpalm:
     """SPALM end to end, or its transformer / Transformer-XL baselines (``k`` = 0), read as
-    contiguous segments of ``segment`` tokens with Transformer-XL memory; the valid/test splits
-    were cut into ``streams`` streams."""
-    model: Spalm
+    contiguous segments of ``segment`` tokens with Transformer-XL memory."""
+    trained: TrainedHead
     k: int
-    key: str
-    metric: str
     retrieved: int
     segment: int
-    streams: int
+
+    @property
+    def model(self) -> Spalm:
+        assert isinstance(self.trained.module, SpalmXL)
+        return self.trained.module.model
 
 
-Head = Union[TrainedGNN, FeatureHead, FinetunedSpalm, SegmentSpalm]
+Head = Union[GNNHead, FeatureHead, FinetunedSpalm, SegmentSpalm]
 
 
-def _saved(checkpoint: dict, name: str) -> dict:
-    return {k: v for k, v in dict(checkpoint.get(name) or {}).items() if not k.startswith("_")}
+def _saved(checkpoint: dict, name: str, cls: type) -> dict:
+    """The init arguments of ``cls`` saved under ``name`` (the CLI also records there what it
+    linked from the other side, which ``cls`` may not take)."""
+    takes = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in dict(checkpoint.get(name) or {}).items() if k in takes}
 
 
-M = TypeVar("M", bound=nn.Module)
+def _class(path: Optional[str], where: str) -> type:
+    if path not in SERVED_CLASSES:
+        served = ", ".join(c.rsplit(".", 1)[1] for c in SERVED_CLASSES)
+        raise ValueError(f"{where} holds a {path or 'unrecorded'} checkpoint, which gnnlm "
+                         f"cannot serve (it serves {served}).")
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
-def _frozen(module: M) -> M:
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module.eval()
-
-
-def load_head(workdir: Workdir, folder: str, base_lm: BaseLM, base_lm_spec: str,
-              base_lm_options: Optional[dict]) -> Head:
-    """The head trained as ``models/<folder>/``. ``base_lm`` is the work directory's frozen base
-    LM (``base_lm_spec`` and ``base_lm_options`` load another copy of it for the fine-tuned
-    SPALM; the end-to-end SPALM takes its architecture)."""
+def load_trained(workdir: Workdir, folder: str, base_lm: BaseLM, base_lm_spec: str,
+                 base_lm_options: Optional[dict]) -> TrainedHead:
+    """The head trained as ``models/<folder>/`` with its data module. ``base_lm`` is the work
+    directory's frozen base LM, checked to be the one the head was trained on;
+    ``base_lm_spec``/``base_lm_options`` say where it is for heads that load it themselves."""
     path = workdir.model(folder)
     manifest = read_manifest(path, kind="trained_model")
-    kind = manifest.get("model_class")
-    if kind == "GNNLM":
-        return load_trained_gnn(workdir, folder)
     checkpoint = load_checkpoint(path / manifest["ckpt"])
-    hp, data = _saved(checkpoint, "hyper_parameters"), _saved(checkpoint,
-                                                              "datamodule_hyper_parameters")
+    model_path, data_path = trained_classes(checkpoint)
+    if model_path is None and manifest.get("model_class"):  # a checkpoint without the record
+        model_path = next((c for c in SERVED_CLASSES
+                           if c.endswith("." + manifest["model_class"])), None)
+    model_class, data_class = _class(model_path, str(path)), _class(data_path, str(path))
+    hp = _saved(checkpoint, "hyper_parameters", model_class)
+    data_hp = _saved(checkpoint, "datamodule_hyper_parameters", data_class)
     trained_on = hp.get("base_lm_fingerprint")
     if trained_on and trained_on != base_lm.fingerprint():
         raise ValueError(f"{path} was trained on the datastore of base LM weights {trained_on}, "
                          f"not on this work directory's ({base_lm.fingerprint()}): rerun "
                          f"`gnnlm pipeline` to train it again.")
-    key, metric = data.get("key", "final"), data.get("metric", "cos")
-    if kind in ("SpalmLM", "LearnedDatastoreLM"):
-        if kind == "SpalmLM":
-            module: nn.Module = SpalmGate(hp["feature_dim"], hp.get("gate_bias"))
-        else:
-            module = MultiEmbeddingSoftmax(hp["vocab_size"], hp["feature_dim"],
-                                           hp.get("embeddings_per_word", 1))
-        module.load_state_dict(model_state(checkpoint, "head."))
-        return FeatureHead("gate" if kind == "SpalmLM" else "wds", _frozen(module), key, metric,
-                           int(data.get("retrieved", 0)), int(data.get("block_size", 512)))
-    if kind == "SpalmFinetuneLM":
-        lm = load_base_lm(base_lm_spec, base_lm_options)
-        lm.load_state_dict(model_state(checkpoint, "lm."))
-        gate = SpalmGate(lm.hidden_size, hp.get("gate_bias"))
-        gate.load_state_dict(model_state(checkpoint, "head."))
-        return FinetunedSpalm(_frozen(lm), _frozen(gate), key, metric,
-                              int(data.get("retrieved", 4)), int(data.get("eval_batch_size", 32)))
-    if kind == "SpalmXL":
-        if not isinstance(base_lm, GPT):
-            raise ValueError(f"{path} is SPALM end to end, built on the built-in GPT, but the "
-                             f"work directory's base LM is {base_lm.name}.")
-        # the base LM's architecture; the weights are the head's own
-        config = dataclasses.replace(base_lm.cfg, memory_length=int(hp.get("memory_length", 0)),
-                                     dropout=base_lm.cfg.dropout if hp.get("dropout") is None
-                                     else hp["dropout"])
-        k = int(hp.get("k", 0))
-        model = Spalm(GPT(config), long_term=k > 0, gate_bias=hp.get("gate_bias"),
-                      memory_scale=hp.get("memory_scale", "none"))
-        model.load_state_dict(model_state(checkpoint, "model."))
-        return SegmentSpalm(_frozen(model), k, key, metric, int(data.get("retrieved", 0)),
-                            int(data.get("block_size", 512)), int(data.get("eval_streams", 16)))
-    raise ValueError(f"{path} holds a {kind} checkpoint, which gnnlm cannot serve.")
+    if model_class is SpalmXL and not isinstance(base_lm, GPT):
+        raise ValueError(f"{path} is SPALM end to end, built on the built-in GPT, but the "
+                         f"work directory's base LM is {base_lm.name}.")
+    if model_class is GNNLM and hp.get("kind", "gnnlm") != "gnnlm":
+        raise ValueError(f"{path} holds the HGT baseline (kind {hp['kind']!r}), which is scored "
+                         f"with one window per retrieval only: its rows are not served here.")
+    # the base LM where this work directory has it now (it may have moved since training)
+    if "base_lm" in hp:
+        hp["base_lm"] = base_lm_spec
+    if "base_lm_options" in hp:
+        hp["base_lm_options"] = base_lm_options
+    data_hp["workdir"] = str(workdir.root)
+    if "base_lm_path" in data_hp:
+        data_hp["base_lm_path"] = None  # the one the features record
+    module = model_class(**hp)
+    module.load_state_dict(checkpoint["state_dict"])
+    module.eval().requires_grad_(False)
+    data = data_class(**data_hp)
+    attach_datastore(module, data)
+    return TrainedHead(module, data, folder, manifest)
+
+
+def load_head(workdir: Workdir, folder: str, base_lm: BaseLM, base_lm_spec: str,
+              base_lm_options: Optional[dict]) -> Head:
+    """``load_trained``'s head in the view decoding reads."""
+    trained = load_trained(workdir, folder, base_lm, base_lm_spec, base_lm_options)
+    module, data = trained.module, trained.data.hparams
+    if isinstance(module, GNNLM):
+        assert isinstance(trained.data, GraphDataModule)
+        graph = trained.data.graph
+        eval_k = trained.manifest.get("eval_k")
+        chosen = int((eval_k or {}).get("chosen") or data.get("eval_k") or graph.k)
+        return GNNHead(trained, dataclasses.replace(graph, k=chosen),
+                       int(data.get("block_size", 64)), eval_k)
+    if isinstance(module, (SpalmLM, LearnedDatastoreLM)):
+        return FeatureHead(trained, "gate" if isinstance(module, SpalmLM) else "wds",
+                           int(data.get("retrieved", 0)))
+    if isinstance(module, SpalmFinetuneLM):
+        return FinetunedSpalm(trained, int(data.get("retrieved", 4)))
+    assert isinstance(module, SpalmXL)
+    return SegmentSpalm(trained, int(module.k), int(data.get("retrieved", 0)),
+                        int(data.get("block_size", 512)))

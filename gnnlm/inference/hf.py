@@ -68,16 +68,18 @@ class KNNLogitsProcessor(LogitsProcessor):
     """
 
     def __init__(self, lm: TrainedLM, model: Any, row: str = "knn", **overrides: Any):
-        if not lm.served.is_knn(row):
+        served = lm.served.row(row)
+        if not served.row.is_knn_lm:
+            knn_rows = [r for r in lm.rows if lm.served.row(r).row.is_knn_lm]
             raise NotServed(f"{row!r} is not a kNN-LM row of {lm.workdir.root} (its kNN-LM rows: "
-                            f"{', '.join(r for r in lm.rows if lm.served.is_knn(r)) or 'none'}).")
+                            f"{', '.join(knn_rows) or 'none'}).")
         identity = lm.features["base_lm"]
         if not identity.get("keys"):
             raise NotServed(f"The base LM of {lm.workdir.root} is gnnlm's own GPT, not a Hugging "
                             f"Face model: generate with lm.generate(..., row={row!r}).")
         self.lm, self.row = lm, row
-        self.settings = lm.settings(row, **overrides)
-        self.key, self.metric, self.scores = lm.served.retrieval(row)
+        self.settings = lm.settings(served, **overrides)
+        self.key, self.metric, self.scores = served.retrieval
         self.adapter = HFCausalLM(model, keys=identity["keys"], check=False)
         try:
             check_base_lm(lm, self.adapter)

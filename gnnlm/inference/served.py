@@ -5,21 +5,23 @@ each interpolation what it fitted on valid (kNN-LM's k, T and λ; GNN+kNN's; a l
 with the base LM). It is served only as written and only with the artifacts it was computed
 from (``gnnlm.workdir.reports``): an edited report, or one the work directory's artifacts have
 been rebuilt after, is refused. GNN-LM's evaluation k, chosen on valid, is in its model's manifest
-(``gnnlm.gnn.trained``). Those are a row's defaults here; any can be overridden per call
+(``gnnlm.inference.heads``). Those are a row's defaults here; any can be overridden per call
 (``RowSettings``), and is checked as the pipeline's config checks it.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
-from gnnlm.pipeline import rows
-from gnnlm.pipeline.precision import row_precision
+from gnnlm.pipeline.precision import FLOAT32, scored_precision
 from gnnlm.retrieval.settings import check_lambda, check_temperature
-from gnnlm.workdir.artifacts import ArtifactError, read_manifest
+from gnnlm.workdir import rows
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError
 from gnnlm.workdir.reports import check_report
 
 
@@ -97,12 +99,76 @@ def find_report(workdir: Workdir, report: Optional[str]) -> Path:
     return found[0]
 
 
+class ServedRow:
+    """A row of the report, its name parsed once (``rows.row``) when the report is read: the
+    registry's ``Row`` (its head, the head's folder, kNN-LM or not, interpolation or not), and,
+    each read when first asked for, the retrieval its kNN-LM part reads and the precision it was
+    scored in. Everything below the door (``TrainedLM``'s methods, the command line) takes this,
+    never the name again."""
+
+    def __init__(self, served: Served, row: rows.Row):
+        self.served, self.row = served, row
+
+    def __repr__(self) -> str:
+        return f"ServedRow({self.name!r})"
+
+    @property
+    def name(self) -> str:
+        return self.row.name
+
+    @property
+    def head(self) -> Optional[str]:
+        """The trained row whose model scores this row's tokens (None: the base LM alone)."""
+        return self.row.head
+
+    @property
+    def folder(self) -> str:
+        """The ``models/`` folder of the head this row reads (``gnn+knn``: ``gnn``)."""
+        if self.row.folder is None:
+            raise NotServed(f"row {self.name!r} reads no trained model: the base LM scores it.")
+        return self.row.folder
+
+    def fitted(self, gnn_k: Optional[int] = None) -> RowSettings:
+        """The row's defaults: what the pipeline fitted on valid (``gnn_k``: the GNN-LM's
+        chosen evaluation k, for rows that read GNN-LM)."""
+        fitted = self.served.hparams.get(self.name, {})
+        return RowSettings(
+            knn_k=fitted.get("k"), knn_temperature=fitted.get("temperature"),
+            lam=fitted.get("lambda"), gnn_k=gnn_k if self.head == rows.GNN else None)
+
+    @cached_property
+    def precision(self) -> str:
+        """The precision the report scored the row in (``gnnlm.pipeline.precision``): as the
+        report records it, or for a report written before it did, as its head's manifest says."""
+        recorded = self.served.results.get("precisions", {}).get(self.name)
+        if recorded is not None:
+            return str(recorded)
+        if self.head is None:
+            return FLOAT32
+        return scored_precision(read_manifest(self.served.workdir.model(self.folder),
+                                              kind="trained_model"))
+
+    @cached_property
+    def retrieval(self) -> tuple[str, str, str]:
+        """``(key, metric, scores)`` of the kNN-LM the row interpolates with."""
+        fitted = self.served.hparams[self.name]
+        key, metric = fitted["key"], fitted["similarity"]
+        scores = fitted.get("knn_scores")
+        if scores is None:  # a report written before it recorded the cache's setting
+            caches = sorted(self.served.workdir.root.glob(f"knn_cache/{key}-{metric}-*/test"))
+            if len(caches) != 1:
+                raise NotServed(f"{self.served.path} does not say which kNN cache its "
+                                f"{self.name!r} row read: rerun `gnnlm pipeline` (the finished "
+                                f"stages are reused) to record it.")
+            scores = read_manifest(caches[0], kind="knn_cache")["scores"]
+        return key, metric, scores
+
+
 class Served:
     """The rows of a work directory's report and their fitted settings.
 
-    ``rows``: every row the report scored, in table order. ``settings(row)``: its defaults.
-    ``retrieval(row)``: the key, similarity and kNN-cache scores of a kNN-LM part.
-    ``precision(row)``: the precision it was scored in, which serves it.
+    ``rows``: every row the report scored, in table order; ``row(name)``: that row as served
+    (``ServedRow``), parsed once here.
     """
 
     def __init__(self, workdir: Workdir, report: Optional[str] = None):
@@ -123,62 +189,14 @@ class Served:
                             f"{self.results['base_lm']['fingerprint']}, but the features in "
                             f"{workdir.root} are of {features['base_lm']['fingerprint']}: rerun "
                             f"`gnnlm pipeline` on it so that the report describes its models.")
-        self.rows: list[str] = rows.order(self.results["ppl"])
         self.hparams: dict = self.results.get("hparams", {})
+        self._rows = {name: ServedRow(self, rows.row(name))
+                      for name in rows.order(self.results["ppl"])}
+        self.rows: list[str] = list(self._rows)
 
-    def check_row(self, row: str) -> None:
-        if row not in self.rows:
-            raise NotServed(f"{self.workdir.root} has no row {row!r}; its rows are "
+    def row(self, name: str) -> ServedRow:
+        """The report's row ``name``, as served."""
+        if name not in self._rows:
+            raise NotServed(f"{self.workdir.root} has no row {name!r}; its rows are "
                             f"{', '.join(self.rows)}.")
-
-    def row(self, name: str) -> rows.Row:
-        """The report's row ``name``: its label, and the head and model folder it reads."""
-        self.check_row(name)
-        return rows.row(name)
-
-    def settings(self, row: str, gnn_k: Optional[int] = None) -> RowSettings:
-        """The row's defaults: what the pipeline fitted on valid (``gnn_k``: the GNN-LM's
-        chosen evaluation k, for rows that read GNN-LM)."""
-        self.check_row(row)
-        fitted = self.hparams.get(row, {})
-        return RowSettings(
-            knn_k=fitted.get("k"), knn_temperature=fitted.get("temperature"),
-            lam=fitted.get("lambda"), gnn_k=gnn_k if self.row(row).head == rows.GNN else None)
-
-    def precision(self, row: str) -> str:
-        """The precision the report scored ``row`` in (``gnnlm.pipeline.precision``): as the
-        report records it, or for a report written before it did, as its head's manifest says."""
-        recorded = self.results.get("precisions", {}).get(row)
-        if recorded is not None:
-            return str(recorded)
-        head = self.row(row).head
-        if head is None:
-            return row_precision(row, {})
-        manifest = read_manifest(self.workdir.model(self.head_folder(row)), kind="trained_model")
-        return row_precision(row, {head: manifest})
-
-    def retrieval(self, row: str) -> tuple[str, str, str]:
-        """``(key, metric, scores)`` of the kNN-LM a row interpolates with."""
-        fitted = self.hparams[row]
-        key, metric = fitted["key"], fitted["similarity"]
-        scores = fitted.get("knn_scores")
-        if scores is None:  # a report written before it recorded the cache's setting
-            caches = sorted(self.workdir.root.glob(f"knn_cache/{key}-{metric}-*/test"))
-            if len(caches) != 1:
-                raise NotServed(f"{self.path} does not say which kNN cache its {row!r} row "
-                                f"read: rerun `gnnlm pipeline` (the finished stages are reused) "
-                                f"to record it.")
-            scores = read_manifest(caches[0], kind="knn_cache")["scores"]
-        return key, metric, scores
-
-    def head_folder(self, row: str) -> str:
-        """The ``models/`` folder of the head a row reads (``gnn+knn``: ``gnn``)."""
-        folder = rows.row(row).folder
-        if folder is None:
-            raise NotServed(f"row {row!r} reads no trained model: the base LM scores it.")
-        return folder
-
-    def is_knn(self, row: str) -> bool:
-        """kNN-LM on the base LM: ``knn`` or ``knn[<key>]``."""
-        served = rows.row(row)
-        return served.knn and served.on_base_lm
+        return self._rows[name]

@@ -32,8 +32,6 @@ from typing import Any, Optional
 import numpy as np
 
 from gnnlm.models import protocols
-from gnnlm.pipeline.rows import BASE
-from gnnlm.pipeline.rows import label as report_label
 from gnnlm.pipeline.settings import AblationConfig
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.knn import fit_and_score
@@ -51,6 +49,8 @@ from gnnlm.workdir.checkpoints import datamodule_args, load_checkpoint
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
 from gnnlm.workdir.manifests import is_complete, read_manifest
 from gnnlm.workdir.refusals import ArtifactError
+from gnnlm.workdir.rows import BASE
+from gnnlm.workdir.rows import label as report_label
 
 # The rows' meaning: 2 labels rows by what was searched and adds the index-scores row. It belongs
 # in the ablation artifact's fingerprint config, so a table of another version is rebuilt.

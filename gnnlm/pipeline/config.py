@@ -17,7 +17,7 @@ from gnnlm.pipeline.config_checks import check_contracts, check_machine
 from gnnlm.pipeline.config_help import requested_help
 from gnnlm.pipeline.dependencies import rebuild_set
 from gnnlm.pipeline.settings import PipelineSettings
-from gnnlm.workdir.artifacts import is_complete
+from gnnlm.workdir.manifests import is_complete
 
 
 @dataclass

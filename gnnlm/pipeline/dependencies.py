@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from gnnlm.pipeline import rows
 from gnnlm.pipeline.fit_configs import check_fit_config
 from gnnlm.pipeline.head_checks import reads_pq
+from gnnlm.workdir import rows
 from gnnlm.workdir.verify import find_artifacts
 
 if TYPE_CHECKING:

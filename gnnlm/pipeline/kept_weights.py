@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from gnnlm.utils.progress import say
-from gnnlm.workdir.artifacts import ArtifactBuilder
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.checkpoints import load_checkpoint, plain_classes
 
 # the trained part's weights before its first step, kept in the unfinished build until it ends

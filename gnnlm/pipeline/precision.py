@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
-from gnnlm.pipeline import rows
+from gnnlm.workdir import rows
 
 if TYPE_CHECKING:  # torch is imported where a row is served, not where a report is written
     import torch

@@ -21,7 +21,7 @@ heatmap); the recall buckets; each SPALM row's gate histogram; the ablations' cu
 With a subword tokenizer every row also has its perplexity per word beside per token
 (``gnnlm.pipeline.per_word``), comparable with word-level rows.
 
-Rows are named, labelled and ordered by ``gnnlm.pipeline.rows``; everything is read from the
+Rows are named, labelled and ordered by ``gnnlm.workdir.rows``; everything is read from the
 pipeline's ``gnnlm.pipeline.results.Results``, which holds the manifests its stages read.
 
 Here: what results.json holds (every row's perplexities and how it was scored, the retrieval
@@ -39,7 +39,7 @@ import numpy as np
 
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
-from gnnlm.pipeline import per_word, rows
+from gnnlm.pipeline import per_word
 from gnnlm.pipeline.precision import row_precision
 from gnnlm.pipeline.report_analyses import analyses, plot_recall_buckets, retrieval_sanity
 from gnnlm.pipeline.report_markdown import markdown
@@ -57,8 +57,9 @@ from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.retrieval.tuning import measured_recall
 from gnnlm.utils.metrics import ppl_from_logprobs
 from gnnlm.utils.provenance import code_version
-from gnnlm.workdir.artifacts import write_json_atomic
+from gnnlm.workdir import rows
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import write_json_atomic
 from gnnlm.workdir.reports import seal
 
 # the plots every report with a kNN row writes (``{key}``: each key type), beside the SPALM rows'

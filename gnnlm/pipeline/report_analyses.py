@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gnnlm.pipeline import rows
 from gnnlm.pipeline.results import Results
 from gnnlm.pipeline.sweep import write_heatmap
 from gnnlm.spalm.analysis import results_section as spalm_section
 from gnnlm.utils.metrics import ppl_from_logprobs
+from gnnlm.workdir import rows
 from gnnlm.workdir.layout import Workdir
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
-from gnnlm.pipeline import per_word, rows
+from gnnlm.pipeline import per_word
 from gnnlm.pipeline.report_tables import (
     data_line,
     ppl_cells,
@@ -23,6 +23,7 @@ from gnnlm.pipeline.report_tables import (
 from gnnlm.retrieval.search import exhaustive_index
 from gnnlm.spalm.analysis import markdown as spalm_markdown
 from gnnlm.utils import environment
+from gnnlm.workdir import rows
 
 
 def markdown(results: dict) -> str:

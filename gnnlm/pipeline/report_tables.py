@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
-from gnnlm.pipeline import data_checks, rows
+from gnnlm.pipeline import data_checks
+from gnnlm.workdir import rows
 
 
 def row_label(results: dict, name: str) -> str:

@@ -5,9 +5,10 @@ trained heads worse than the base LM on valid, and keys whose retrieval does not
 from __future__ import annotations
 
 from gnnlm.models import protocols
-from gnnlm.pipeline import data_checks, rows
+from gnnlm.pipeline import data_checks
 from gnnlm.pipeline.report_tables import row_label
 from gnnlm.retrieval import sanity
+from gnnlm.workdir import rows
 
 
 def warnings_block(report: dict, heads: dict) -> list[dict]:

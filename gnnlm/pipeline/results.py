@@ -1,6 +1,6 @@
 """What the pipeline's stages hand the report: ``Results``, filled in as the stages finish.
 
-Scores are per-token log p(target) by row (``gnnlm.pipeline.rows``) and split; everything else
+Scores are per-token log p(target) by row (``gnnlm.workdir.rows``) and split; everything else
 is what a stage recorded (its artifact's manifest), read once by the stage that built it, so the
 report reads no manifest again.
 """

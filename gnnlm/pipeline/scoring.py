@@ -19,8 +19,9 @@ from gnnlm.models.protocols import Protocol
 from gnnlm.utils.metrics import check_finite, ppl_from_logprobs
 from gnnlm.utils.progress import format_seconds, say
 from gnnlm.utils.quiet import quiet_lightning
-from gnnlm.workdir.artifacts import changed_hint, open_array, read_manifest
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array, read_manifest
+from gnnlm.workdir.refusals import changed_hint
 
 if typing.TYPE_CHECKING:  # Lightning's names of a precision ("32-true", "bf16-mixed", ...)
     from lightning_fabric.plugins.precision.precision import _PRECISION_INPUT as Precision
@@ -50,15 +51,20 @@ class OwnScoringProtocol(typing.Protocol):
     def scoring_protocol(self, memory_length: int) -> Protocol: ...
 
 
-def predict_tokens(model, datamodule, split: str, n: int, precision: Precision = "32-true"
-                   ) -> dict[str, np.ndarray]:
+def predict_tokens(model, datamodule, split: str, n: int, precision: Precision = "32-true",
+                   progress: bool = True, inference_mode: bool = True) -> dict[str, np.ndarray]:
     """What ``predict`` gives for every position of ``split``, in position order, as float32
     ``[n]`` arrays by name: ``logprob`` (log p(target)) and any other per-token value of the
     model's predict outputs (SPALM: ``gate``), on one device with the training run's precision.
 
-    The split is given to the data module (``connect``), which serves it; a model that needs
-    to know it reads it from the batches. The pass prints its progress (tokens, tokens/s,
-    ETA: ``PredictProgress``), naming the evaluation k of a GNN-LM data module."""
+    This is the one path of every per-token score of a trained head: the report's valid and
+    test, and a text's (``gnnlm score``: ``split`` is ``datamodules.splits.TEXT``, the text
+    given to the data module beforehand). The split is given to the data module (``connect``),
+    which serves it; a model that needs to know it reads it from the batches. With
+    ``progress`` the pass prints its progress (tokens, tokens/s, ETA: ``PredictProgress``),
+    naming the evaluation k of a GNN-LM data module. ``inference_mode=False`` runs it under
+    ``no_grad`` instead, so that what the model keeps (GNN-LM's window states) can be updated
+    in place outside it afterwards."""
     import pytorch_lightning as pl
 
     from gnnlm.lit.predict_progress import PredictProgress
@@ -69,7 +75,8 @@ def predict_tokens(model, datamodule, split: str, n: int, precision: Precision =
     quiet_lightning()  # no device banner before each pass: every Trainer would say it
     trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, precision=precision,
-                         callbacks=[PredictProgress(n, desc)])
+                         inference_mode=inference_mode,
+                         callbacks=[PredictProgress(n, desc)] if progress else [])
     # one predict loader: a list of the batches' outputs, each a dict of tensors by name
     outputs = typing.cast(list[dict[str, torch.Tensor]],
                           trainer.predict(model, datamodule=datamodule))

@@ -20,7 +20,6 @@ from typing import Optional, Union
 from gnnlm.gnn.settings import PQConfig
 from gnnlm.models.settings import DTYPE_NAMES, FEATURE_KEYS, check_keys, is_hf
 from gnnlm.pipeline.config_files import YAMLs, merged_yaml, yaml_list
-from gnnlm.pipeline.rows import HEAD_CONFIGS, learned_wds_row
 from gnnlm.retrieval.settings import (
     DEFAULT_KS,
     DEFAULT_LAMBDAS,
@@ -35,6 +34,7 @@ from gnnlm.retrieval.settings import (
 )
 from gnnlm.text.settings import TokenizerConfig, tokenizer_config
 from gnnlm.utils.devices import check_device, check_devices
+from gnnlm.workdir.rows import HEAD_CONFIGS, learned_wds_row
 
 
 @dataclass
@@ -353,7 +353,7 @@ class PipelineSettings:
     copy_report_to: Optional[str] = None
 
     def heads(self) -> dict[str, list[str]]:
-        """Trained heads by report row, in table order (``gnnlm.pipeline.rows.HEAD_FIELDS``):
+        """Trained heads by report row, in table order (``gnnlm.workdir.rows.HEAD_FIELDS``):
         each ``HeadConfig`` field's row, then the ``learned_wds…`` rows. The head fields above
         are written out because the parser reads fields; a test checks they match the registry."""
         rows = {name: yaml_list(getattr(self, name).config) for name in HEAD_CONFIGS}

@@ -21,7 +21,7 @@ from gnnlm.gnn.pq import build_pq
 from gnnlm.models import BaseLM, is_hf, load_base_lm
 from gnnlm.models.hf import DEFAULT_CONTEXT
 from gnnlm.models.settings import gguf_file, no_context
-from gnnlm.pipeline import data_checks, rows
+from gnnlm.pipeline import data_checks
 from gnnlm.pipeline.ablations import (
     ABLATIONS_VERSION,
     memory_rows,
@@ -50,6 +50,7 @@ from gnnlm.text.words import SUBWORD_KINDS, scored_words
 from gnnlm.utils import environment
 from gnnlm.utils.metrics import check_finite
 from gnnlm.utils.stopping import Stopped
+from gnnlm.workdir import rows
 from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.checkpoints import datamodule_args
 from gnnlm.workdir.layout import EVAL_SPLITS, SPLITS, Workdir

@@ -34,15 +34,12 @@ from gnnlm.pipeline.kept_weights import (
 from gnnlm.pipeline.scoring import choose_eval_k, predict_extras, predict_tokens, scoring_protocol
 from gnnlm.utils.progress import say
 from gnnlm.utils.quiet import quiet_lightning, resumed_fit
-from gnnlm.workdir.artifacts import (
-    ArtifactBuilder,
-    ArtifactError,
-    canonical_json,
-    read_manifest,
-    refusal,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.checkpoints import load_checkpoint, plain_classes
+from gnnlm.workdir.fingerprints import canonical_json
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
+from gnnlm.workdir.manifests import read_manifest
+from gnnlm.workdir.refusals import ArtifactError, refusal
 
 # Settings of a `gnnlm fit` config that do not change what it trains, left out of the trained
 # part's identity: the work directory and the log folder, which fit_with_cli sets on the command

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional
 
+from gnnlm.workdir import rows
 from gnnlm.workdir.fingerprints import canonical_json, is_artifact_fingerprint
 
 
@@ -32,12 +32,13 @@ def rebuild_hint(path: str | os.PathLike, kind: Optional[str]) -> str:
 
 def rebuild_flag(path: str | os.PathLike, kind: Optional[str]) -> str:
     """The ``--rebuild`` of the pipeline stage that builds the artifact at ``path`` (a trained
-    part by its row: ``models/learned_wds_n3`` → ``learned_wds[n=3]``); plain ``--rebuild``
-    when no stage names it."""
+    part by the row the registry names its folder for, ``rows.of_folder``: ``models/
+    learned_wds_n3`` → ``learned_wds[n=3]``; the base LM's by its folder, ``base_lm``); plain
+    ``--rebuild`` when no stage names it."""
     if kind is None or kind == "output_embedding":
         return "--rebuild"
-    stage = (re.sub(r"_n(\d+)$", r"[n=\1]", Path(path).name) if kind == "trained_model"
-             else kind)
+    folder = Path(path).name
+    stage = (rows.of_folder(folder) or folder) if kind == "trained_model" else kind
     return f"--rebuild=[{stage}]"
 
 

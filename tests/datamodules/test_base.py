@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from datamodules.base import WorkdirDataModule
-from gnnlm.workdir.artifacts import ArtifactError
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.refusals import ArtifactError
 from tests.fakes import write_features, write_output_embedding
 
 D, V = 4, 11

@@ -15,8 +15,9 @@ from gnnlm.gnn.graph import GraphConfig
 from gnnlm.gnn.pq import PQConfig, PQFeatures, build_pq
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, neighbor_values
-from gnnlm.workdir.artifacts import ArtifactError, open_array
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.manifests import open_array
+from gnnlm.workdir.refusals import ArtifactError
 from tests.fakes import write_features, write_output_embedding
 
 SIZES = {"train": 600, "valid": 170, "test": 130}

@@ -43,7 +43,8 @@ def sliding_rows(lm, results) -> list[str]:
 
 def test_every_row_gives_the_report_s_per_token_test_scores(lm, workdir, results, test_ids):
     """The API is the model the table describes: the test split's tokens, scored under each
-    row's protocol, give the report's stored per-token log-probabilities and perplexities."""
+    row's protocol, give the report's stored per-token log-probabilities, bit for bit (a head's
+    through the very ``predict`` that scored the report), and its perplexities."""
     assert {"base", "knn", "knn[att]", "gnn", "gnn+knn", "spalm", "spalm_ft", "transformer",
             "transformer_xl", "spalm_xl", "spalm_xl_variant", "learned_wds",
             "learned_wds+base", "learned_wds[n=3]"} <= set(lm.rows)
@@ -51,7 +52,7 @@ def test_every_row_gives_the_report_s_per_token_test_scores(lm, workdir, results
     scores = lm.score(test_ids, lm.rows)
     for row in lm.rows:
         got = scores[row]
-        np.testing.assert_allclose(got.logprobs, stored[row], atol=1e-5, rtol=0, err_msg=row)
+        np.testing.assert_array_equal(got.logprobs, stored[row], err_msg=row)
         assert got.ppl == pytest.approx(results["ppl"][row], rel=1e-5), row
         assert got.protocol == results["protocols"][row], row
     assert scores["gnn"].settings.gnn_k == results["gnn_eval_k"]["chosen"]

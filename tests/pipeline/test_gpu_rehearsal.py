@@ -171,4 +171,4 @@ def test_gnnlm_score_serves_each_row_in_the_precision_the_report_scored_it(rehea
             assert np.abs(gaps).mean() < 8e-5, (row, np.abs(gaps).mean())
     # a report written before it recorded precisions: each head's manifest says the same
     del lm.served.results["precisions"]
-    assert {row: lm.served.precision(row) for row in ROWS} == results["precisions"]
+    assert {row: lm.served.row(row).precision for row in ROWS} == results["precisions"]

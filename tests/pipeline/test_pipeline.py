@@ -14,7 +14,6 @@ import torch
 from gnnlm.models import load_base_lm
 from gnnlm.models.protocols import layout
 from gnnlm.pipeline.ablations import row_label
-from gnnlm.pipeline.rows import HEAD_CONFIGS
 from gnnlm.retrieval.features import build_features, open_features
 from gnnlm.retrieval.knn_cache import search_facts
 from gnnlm.text.tokens import TokenStore
@@ -22,6 +21,7 @@ from gnnlm.utils.metrics import ppl_from_logprobs, unigram_logprobs
 from gnnlm.workdir.layout import Workdir
 from gnnlm.workdir.manifests import open_array, read_manifest
 from gnnlm.workdir.refusals import ArtifactError
+from gnnlm.workdir.rows import HEAD_CONFIGS
 from tests.conftest import PIPELINE, PROBE_WHEEL, run_gnnlm
 
 pytestmark = pytest.mark.integration
@@ -169,6 +169,7 @@ def test_spalm_with_its_last_block_fine_tuned_beats_the_base_lm(results):
 def test_retrieval_windows_carry_the_datastore_s_tokens_and_neighbours(workdir):
     from datamodules.features import FeatureBlocks, NeighborValues
     from datamodules.retrieval_windows import RetrievalWindowsDataModule
+    from datamodules.splits import SplitArrays
 
     data = RetrievalWindowsDataModule(workdir=str(workdir), key="final", metric="cos",
                                       retrieved=4, eval_batch_size=4)
@@ -179,8 +180,9 @@ def test_retrieval_windows_carry_the_datastore_s_tokens_and_neighbours(workdir):
     _, test = open_features(wd.features("test"))
     positions = batch["positions"].flatten().numpy()
     np.testing.assert_array_equal(batch["target"].flatten().numpy(), test["targets"][positions])
-    blocks = FeatureBlocks(wd, "test", "final", block_size=10**6,
-                           values=NeighborValues(wd, "final", "cos", "test", 4))
+    arrays = SplitArrays(wd)
+    blocks = FeatureBlocks(arrays, "test", "final", block_size=10**6,
+                           values=NeighborValues(arrays, "final", "cos", "test", 4))
     np.testing.assert_array_equal(batch["nbr_values"].reshape(-1, 4).numpy(),
                                   blocks[0]["nbr_values"].numpy()[positions])
     covered = read_manifest(wd.neighbors("final", "cos", "train"))["n"]

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from gnnlm.models import protocols
-from gnnlm.pipeline import rows
 from gnnlm.pipeline.report_analyses import recall_buckets
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.utils.provenance import code_version
+from gnnlm.workdir import rows
 from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
+from gnnlm.workdir.refusals import rebuild_flag
 from tests.fakes import write_features
 
 
@@ -108,6 +109,13 @@ def test_the_registry_orders_rows_and_names_the_config_s_head_fields():
     assert rows.knn_row("final", "final") == "knn" and rows.knn_row("att", "final") == "knn[att]"
     assert rows.learned_wds_row(1, 3) == "learned_wds[n=3]"
     assert rows.model_folder("learned_wds[n=3]") == "learned_wds_n3"
+    # and back: the folder of every trained row gives its row (what --rebuild names it by)
+    for name in [*rows.HEAD_FIELDS, "learned_wds[n=3]"]:
+        assert rows.of_folder(rows.model_folder(name)) == name
+    assert rows.of_folder("base_lm") is None and rows.of_folder("gnn+knn") is None
+    assert rebuild_flag("runs/x/models/learned_wds_n3", "trained_model") == \
+        "--rebuild=[learned_wds[n=3]]"
+    assert rebuild_flag("runs/x/models/base_lm", "trained_model") == "--rebuild=[base_lm]"
     assert rows.SPALM_BASELINES == {"spalm": "base", "spalm_ft": "base",
                                     "spalm_xl": "transformer_xl",
                                     "spalm_xl_variant": "transformer_xl",

@@ -19,7 +19,10 @@ after ``knn``, rows of no fixed place such as ``learned_wds…`` sorted at the e
 a report keeps of a row, so ``row(name)`` gives back the whole ``Row``, with the head that
 scored it and that head's folder under ``models/``: the families of names (``knn[<key>]``,
 ``learned_wds[n=…]``, ``<head>+base``) are made and read back here, next to each other, and
-nowhere else. Plain Python: the config module reads it.
+nowhere else, and so is the way back from a folder to its row (``of_folder``: what
+``--rebuild`` names a trained part by). Plain Python, at the bottom of the stack with the folders
+it names: the config, the refusals that say what to rebuild, the report and the served rows read
+it.
 """
 from __future__ import annotations
 
@@ -54,6 +57,11 @@ class Row:
     def on_base_lm(self) -> bool:
         """Scored by the base LM alone, or with kNN-LM: no trained model is read."""
         return self.head is None
+
+    @property
+    def is_knn_lm(self) -> bool:
+        """kNN-LM itself, on the base LM (``knn``, ``knn[<key>]``), not over a head."""
+        return self.knn and self.on_base_lm
 
 
 def trained_row(name: str, label: str, folder: Optional[str] = None, **kinds: Any) -> Row:
@@ -154,6 +162,19 @@ def row(name: str) -> Row:
         return trained_row(name, f"learned W_ds (n = {n}) alone",
                            folder=f"{LEARNED_WDS}_n{n}", fixed=False)
     return Row(name, name, fixed=False)
+
+
+_LEARNED_WDS_FOLDER = re.compile(rf"{LEARNED_WDS}_n(?P<n>\d+)")
+
+
+def of_folder(folder: str) -> Optional[str]:
+    """The trained row whose head ``models/<folder>`` holds (``learned_wds_n3`` →
+    ``learned_wds[n=3]``); None for a folder of no row (the base LM's, ``base_lm``)."""
+    if folder in BY_NAME and BY_NAME[folder].trained:
+        return folder
+    if match := _LEARNED_WDS_FOLDER.fullmatch(folder):
+        return f"{LEARNED_WDS}[n={match['n']}]"
+    return None
 
 
 def model_folder(name: str) -> str:
