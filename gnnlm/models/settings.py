@@ -5,7 +5,15 @@ model (a folder, a Hub name, or a GGUF file that transformers reads). Loading th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+
+# which GGUF file a spec names is one rule with the tokenizer's (in the text layer, below);
+# the models' and the pipeline's callers import gguf_file from here
+from gnnlm.text.gguf_paths import (  # noqa: F401
+    GGUF_SUFFIX,
+    folder_ggufs,
+    gguf_candidates,
+    gguf_file,
+)
 
 FEATURE_KEYS = ("final", "att")
 # the precisions a Hugging Face base LM's weights may be loaded in (torch dtypes of these names)
@@ -14,7 +22,6 @@ DEFAULT_CONTEXT = 1024  # a model's own context can be 128k: the features' windo
 # the config fields that give a Hugging Face model's context, the first set one: learned or
 # rotary positions, or MPT's ALiBi length; Bloom's ALiBi has none (features.context gives it)
 CONTEXT_FIELDS = ("n_positions", "max_position_embeddings", "max_seq_len")
-GGUF_SUFFIX = ".gguf"  # llama.cpp's one-file format: weights, config and tokenizer together
 
 
 def no_context(lm: str) -> str:
@@ -29,33 +36,7 @@ def is_hf(spec: str) -> bool:
     """Whether ``spec`` names a Hugging Face model: ``hf:``, a folder with config.json, or a GGUF
     file (``*.gguf``, or a folder of them without config.json), with or without the prefix."""
     return (spec.startswith("hf:") or (Path(spec) / "config.json").is_file()
-            or _names_gguf(spec))
-
-
-def _gguf_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*") if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
-
-
-def _names_gguf(spec: str) -> bool:
-    """``spec`` names a GGUF file, or a folder without config.json holding one or more."""
-    path = Path(spec.removeprefix("hf:")).expanduser()
-    if path.suffix.lower() == GGUF_SUFFIX:
-        return True
-    return (path.is_dir() and not (path / "config.json").is_file()
-            and bool(_gguf_files(path)))
-
-
-def gguf_file(spec: str) -> Optional[Path]:
-    """The GGUF file ``spec`` names (``[hf:]<file>.gguf``, or ``[hf:]<folder>`` holding exactly
-    one ``.gguf`` and no config.json), or None when it names none (a model folder, a Hub name,
-    a checkpoint). ``check_hf_folder`` refuses a missing file and a folder of several."""
-    path = Path(spec.removeprefix("hf:")).expanduser()
-    if path.suffix.lower() == GGUF_SUFFIX:
-        return path if path.is_file() else None
-    if path.is_dir() and not (path / "config.json").is_file():
-        files = _gguf_files(path)
-        return files[0] if len(files) == 1 else None
-    return None
+            or bool(gguf_candidates(spec)))
 
 
 def looks_like_folder(name: str) -> bool:
@@ -79,7 +60,7 @@ def check_hf_folder(spec: str, field: str = "base_lm.ckpt") -> None:
     if folder.is_dir():
         if (folder / "config.json").is_file():
             return
-        ggufs = _gguf_files(folder)
+        ggufs = folder_ggufs(folder)
         if len(ggufs) > 1:
             raise ValueError(f"{field} {spec}: the folder {folder} holds {len(ggufs)} GGUF files "
                              f"({', '.join(p.name for p in ggufs)}): name the one to load.")

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 
 from gnnlm.text.corpus import SPLIT_FILES, SPLITS, locate_corpus
+from gnnlm.text.gguf_paths import gguf_candidates
 from gnnlm.text.settings import TokenizerConfig  # the settings, without tokenizers: for configs
 from gnnlm.text.text_files import read_text
 from gnnlm.workdir.artifacts import (
@@ -219,7 +220,7 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as Backend
 
         p = Path(path)
-        gguf = cls._gguf_file(p)
+        gguf = cls._gguf_file(path)
         if gguf is not None:
             return cls._from_gguf(gguf)
         if p.is_file():
@@ -244,16 +245,14 @@ class HFTokenizer(Tokenizer):
         return cls(fast.backend_tokenizer)
 
     @staticmethod
-    def _gguf_file(p: Path) -> Path | None:
-        """The GGUF file ``p`` names: a ``.gguf`` file, or the one ``.gguf`` of a folder without
-        a tokenizer.json or config.json (several: refused, naming them)."""
-        if p.suffix.lower() == ".gguf":
-            return p
-        if not p.is_dir() or any((p / f).is_file() for f in ("tokenizer.json", "config.json")):
-            return None
-        files = sorted(f for f in p.glob("*") if f.suffix.lower() == ".gguf")
+    def _gguf_file(path: str) -> Path | None:
+        """The GGUF file ``path`` names, by the base LM's rule (``gnnlm.text.gguf_paths``), so
+        that a model's tokenizer is read from the file its weights are: a ``.gguf`` file, or
+        the one ``.gguf`` of a folder without config.json (several: refused, naming them)."""
+        files = gguf_candidates(path)
         if len(files) > 1:
-            raise FileNotFoundError(f"{p} holds {len(files)} GGUF files ("
+            folder = files[0].parent
+            raise FileNotFoundError(f"{folder} holds {len(files)} GGUF files ("
                                     f"{', '.join(f.name for f in files)}): name the one whose "
                                     f"tokenizer to read.")
         return files[0] if files else None
