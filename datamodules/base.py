@@ -49,7 +49,7 @@ class WorkdirDataModule(pl.LightningDataModule):
         of ``__init__``'s, by name). Each message starts with the argument's name
         (``k_schedule must ...``): ``__init__`` raises it as it is, and ``gnnlm pipeline``,
         which runs this on every head's parsed config when its config loads
-        (``gnnlm.pipeline.config_checks.check_head``), names the file and the key. Subclasses
+        (``gnnlm.pipeline.head_checks.check_head``), names the file and the key. Subclasses
         add the checks of their own arguments."""
         split = args.get("predict_split")
         if split is not None and split not in SPLITS:

@@ -142,7 +142,7 @@ Head = Union[GNNHead, FeatureHead, FinetunedSpalm, SegmentSpalm]
 def _saved(checkpoint: dict, name: str, cls: type) -> dict:
     """The init arguments of ``cls`` saved under ``name`` (the CLI also records there what it
     linked from the other side, which ``cls`` may not take)."""
-    takes = inspect.signature(cls.__init__).parameters
+    takes = inspect.signature(cls).parameters
     return {k: v for k, v in dict(checkpoint.get(name) or {}).items() if k in takes}
 
 

@@ -12,7 +12,7 @@ taking the value types and the quantized blocks' sizes from the ``gguf`` package
 The walk reads the tensor records too, so it knows how long the file must be: a download cut
 short is named here rather than as transformers' "cannot reshape array" minutes later.
 
-Torch-free and without transformers: ``gnnlm.pipeline.config_checks`` reads a GGUF's shape with
+Torch-free and without transformers: ``gnnlm.pipeline.base_lm_shape`` reads a GGUF's shape with
 it when a config is loaded.
 """
 from __future__ import annotations

@@ -124,6 +124,10 @@ def check_vocabulary(model: BaseLM, store: TokenStore, ckpt: str) -> None:
     folder = Path(ckpt.removeprefix("hf:"))
     if not folder.is_dir() and gguf_file(ckpt) is None:  # a Hub name: no local tokenizer
         return
+    if store.manifest.get("tokenizer_path") == str(folder):
+        # the tokens are of the model's own tokenizer, read this run by ``build_tokens`` and
+        # found to be the one they were made with: a GGUF's is not read a second time
+        return
     try:
         own = HFTokenizer.from_path(str(folder))
     except FileNotFoundError:  # the folder has no tokenizer to compare with
@@ -161,7 +165,7 @@ def stage_tokens(cfg: PipelineConfig, workdir: Workdir, ckpt: str) -> TokenStore
 def stage_features(cfg: PipelineConfig, model: BaseLM, store: TokenStore, workdir: Workdir,
                    location: str) -> dict:
     """Features of every split with the sliding-window protocol. The windows were checked at
-    load where the base LM's shape was known there (``config_checks.base_lm_shape``); the
+    load where the base LM's shape was known there (``base_lm_shape.base_lm_shape``); the
     checks here are the backstop for a model only loading tells (a Hub name not in the local cache).
     The Hugging Face default context (at most ``DEFAULT_CONTEXT``) is said here, once, and each
     features manifest records the context and stride used (``config``, ``protocol``)."""

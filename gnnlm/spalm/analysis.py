@@ -21,8 +21,8 @@ import numpy as np
 
 from gnnlm.retrieval.features import open_features
 from gnnlm.utils.metrics import ppl_from_logprobs
-from gnnlm.workdir.artifacts import open_array
 from gnnlm.workdir.layout import EVAL_SPLITS, Workdir
+from gnnlm.workdir.manifests import open_array
 
 FREQUENCY_EDGES = (1, 10, 100, 1000, 10000)
 GATE_AXIS = "mean gate over the d dimensions, per token (1 = local context and short-term " \

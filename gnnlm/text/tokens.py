@@ -22,15 +22,10 @@ from gnnlm.text.corpus import SPLIT_FILES, SPLITS, locate_corpus
 from gnnlm.text.gguf_paths import gguf_candidates
 from gnnlm.text.settings import TokenizerConfig  # the settings, without tokenizers: for configs
 from gnnlm.text.text_files import read_text
-from gnnlm.workdir.artifacts import (
-    ArtifactBuilder,
-    ArtifactError,
-    file_sha256,
-    fingerprint,
-    open_array,
-    read_manifest,
-    refusal,
-)
+from gnnlm.workdir.builder import ArtifactBuilder
+from gnnlm.workdir.fingerprints import file_sha256, fingerprint
+from gnnlm.workdir.manifests import open_array, read_manifest
+from gnnlm.workdir.refusals import ArtifactError, refusal
 
 EOS, UNK = "<eos>", "<unk>"
 

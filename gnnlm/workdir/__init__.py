@@ -6,7 +6,8 @@
 - ``integrity``: an artifact's files and sources against its manifest;
 - ``builder``: ``ArtifactBuilder``, atomic completion (``<name>.partial`` → ``<name>``),
   resumable chunked builds;
-- ``artifacts``: the most used of those names, importable from here as well;
+- ``rows``: the report's rows, their names and labels, the ``models/`` folder of each trained
+  row's head and the row each folder holds;
 - ``layout``: ``Workdir``, the one owner of every artifact's path;
 - ``lock``: one run per work directory (``flock`` on ``<workdir>/.lock``);
 - ``checkpoints``: ``gnnlm fit`` checkpoints read as plain data, the classes they may hold;

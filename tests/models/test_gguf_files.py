@@ -235,6 +235,7 @@ def test_the_pipeline_s_log_probabilities_are_transformers_own(smollm2, small_sl
     from gnnlm.models.encode import sliding_windows
     from gnnlm.pipeline.config import load_config
     from gnnlm.pipeline.stages import check_vocabulary, stage_features, stage_tokens
+    from gnnlm.text.tokens import HFTokenizer
     from gnnlm.workdir.layout import Workdir
     from gnnlm.workdir.manifests import open_array, read_manifest
 
@@ -244,8 +245,14 @@ def test_the_pipeline_s_log_probabilities_are_transformers_own(smollm2, small_sl
                        "--features.max_tokens={train: 128, valid: 600, test: 128}",
                        "--gnn.config=null"])
     workdir = Workdir(cfg.workdir)
-    store = stage_tokens(cfg, workdir, str(SMOLLM2))
-    check_vocabulary(smollm2, store, str(SMOLLM2))   # the GGUF's own tokenizer: the same ids
+    reads = []
+    read = HFTokenizer.from_path.__func__  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:  # how often the GGUF's tokenizer is read
+        mp.setattr(HFTokenizer, "from_path", classmethod(
+            lambda cls, path: reads.append(path) or read(cls, path)))
+        store = stage_tokens(cfg, workdir, str(SMOLLM2))
+        check_vocabulary(smollm2, store, str(SMOLLM2))  # the GGUF's own tokenizer: the same ids
+    assert reads.count(str(SMOLLM2)) == 1  # once per run: the tokens stage's read is reused
     location = workdir.relative(SMOLLM2)
     stage_features(cfg, smollm2, store, workdir, location)
     manifest = workdir.features_manifest("valid")
