@@ -79,8 +79,9 @@ def options(word: int, prompt_length: int, steps: int) -> dict:
 def after(lm, stream: torch.Tensor, row: str) -> torch.Tensor:
     """gnnlm's log p [1, V] of the token after ``stream`` [1, L] (BOS first; BOS alone too),
     as ``lm.next_token_logprobs`` computes it, with this file's λ and T for kNN-LM."""
-    settings = lm.settings(row, **({"lam": LAM, "knn_temperature": T} if row == "knn" else {}))
-    return Decoder(lm, row, settings, incremental=False).start(stream[:, 1:])
+    served = lm.served.row(row)
+    settings = lm.settings(served, **({"lam": LAM, "knn_temperature": T} if row == "knn" else {}))
+    return Decoder(lm, served, settings, incremental=False).start(stream[:, 1:])
 
 
 MASKS = {"bad_words_ids", "suppress_tokens", "min_new_tokens", "forced_bos_token_id",

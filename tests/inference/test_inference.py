@@ -79,6 +79,33 @@ def test_settings_override_the_fitted_ones_and_are_checked(lm, test_ids):
         lm.score(text, "gnn2")
 
 
+def test_each_head_is_scored_once_per_call_and_each_row_name_parsed_once(workdir, test_ids,
+                                                                        monkeypatch):
+    """``gnn`` and ``gnn+knn`` in one call run GNN-LM's predict once; a row's name is parsed
+    (``rows.row``) when the report is read, never again below the door: scoring every row and
+    generating under ``gnn+knn`` parse nothing."""
+    from gnnlm.inference import scoring
+    from gnnlm.workdir import rows
+
+    lm = gnnlm.load(workdir)
+    predicted = []
+    predict = scoring.predict_tokens
+    monkeypatch.setattr(scoring, "predict_tokens",
+                        lambda module, *args, **kwargs: predicted.append(type(module).__name__)
+                        or predict(module, *args, **kwargs))
+    parsed = []
+    parse = rows.row
+    monkeypatch.setattr(rows, "row", lambda name: parsed.append(name) or parse(name))
+    scores = lm.score(test_ids[:200], ["gnn", "gnn+knn", "spalm", "learned_wds",
+                                       "learned_wds+base"])
+    assert predicted == ["GNNLM", "SpalmLM", "LearnedDatastoreLM"]
+    np.testing.assert_array_equal(lm.score(test_ids[:200], "gnn").logprobs, scores["gnn"].logprobs)
+    lm.generate("The game", row="gnn+knn", max_new_tokens=2, greedy=True)
+    assert parsed == []
+    gnnlm.load(workdir)
+    assert set(parsed) >= set(lm.rows)  # at the door
+
+
 def test_the_next_token_distribution_sums_to_one_and_is_the_score_at_the_target(lm, results,
                                                                                test_ids):
     """Within the base LM's window both read the same context: the distribution after a prefix,
