@@ -45,7 +45,8 @@ def prompts(lm, n: int, length: int, offset: int) -> torch.Tensor:
 @torch.no_grad()
 def time_decoding(lm, row: str, tokens: torch.Tensor, steps: int) -> tuple[float, float]:
     """(prefill seconds, median seconds per step) of greedy decoding."""
-    decoder = Decoder(lm, row, lm.settings(row), incremental=True)
+    served = lm.served.row(row)
+    decoder = Decoder(lm, served, lm.settings(served), incremental=True)
     t0 = time.perf_counter()
     logprobs = decoder.start(tokens)
     prefill = time.perf_counter() - t0

@@ -22,7 +22,7 @@ those of the ``GNNLMConv`` layers: one module, two ways to run it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Optional, Union, cast
 
@@ -113,17 +113,24 @@ def _linear(modules: nn.ModuleDict, node_type: str) -> nn.Linear:
     return cast(nn.Linear, modules[node_type])
 
 
-def fold(lin: nn.Linear, relation: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+def fold(lin: nn.Linear, relation: Tensor, weights_key: Optional[Hashable] = None
+         ) -> tuple[Tensor, Optional[Tensor]]:
     """W^k followed by the head-wise W^ATT (or W^v by W^FEA) as one [d, d] linear map, so that
     ``F.linear(h, *fold(W^k, W^ATT))`` is K(s) W^ATT of eq. 2 (and likewise eq. 3).
 
     Without autograd (evaluation, generation) the map is kept on ``lin`` until a weight
     changes: a generated token runs every layer once, and folding cost it as much as the
     layer's attention. The weights are told by a digest of their bits
-    (``gnnlm.utils.tensor_digest``), which a write through ``.data`` changes too."""
+    (``gnnlm.utils.tensor_digest``), which a write through ``.data`` changes too. A caller
+    that has just digested weights including these passes that digest as ``weights_key``
+    (``WindowStates.weights_key``: the whole stack's, taken once per batch or decoding step),
+    so that the 4 maps of each layer are not digested again one by one; without it,
+    ``relation`` and ``lin`` are digested here."""
     if torch.is_grad_enabled():
         return _fold(lin, relation)
-    key = (id(relation), tensor_digest([relation, lin.weight, lin.bias]))
+    if weights_key is None:
+        weights_key = tensor_digest([relation, lin.weight, lin.bias])
+    key = (id(relation), weights_key)
     kept = lin.__dict__.setdefault("_folded", {})
     if key not in kept:
         if len(kept) >= 8:  # maps of earlier weights: a map reads at most two relations
@@ -182,13 +189,15 @@ def _inter_attend(conv: GNNLMConv, q: Tensor, keys: Tensor, feats: Tensor,
     return _softmax_attend(scores, mask, feats, conv.dropout, conv.training), mask.any(-1)
 
 
-def _ctx_projections(conv: GNNLMConv, h_ctx: Tensor) -> list[Tensor]:
+def _ctx_projections(conv: GNNLMConv, h_ctx: Tensor, weights_key: Optional[Hashable]
+                     ) -> list[Tensor]:
     """The ctx nodes' query, intra key (K W^ATT) and intra value (V W^FEA), each
-    [..., H, D], of ``h_ctx`` [..., d] (after the pre-norm)."""
+    [..., H, D], of ``h_ctx`` [..., d] (after the pre-norm); ``weights_key`` as ``fold``'s."""
     return _project(h_ctx, [
         (_linear(conv.q_lin, "ctx").weight, _linear(conv.q_lin, "ctx").bias),
-        fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"]),
-        fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"])], conv.heads, conv.head_dim)
+        fold(_linear(conv.k_lin, "ctx"), conv.w_att["intra"], weights_key),
+        fold(_linear(conv.v_lin, "ctx"), conv.w_fea["intra"], weights_key)],
+        conv.heads, conv.head_dim)
 
 
 def _causal_attend(conv: GNNLMConv, q: Tensor, key: Tensor, feat: Tensor,
@@ -214,25 +223,28 @@ def _ctx_output(conv: GNNLMConv, ctx: Tensor, causal: Tensor, messages: Tensor,
 
 
 def ctx_update(conv: GNNLMConv, ctx: Tensor, h_ctx: Tensor, graph: DenseGraph,
-               inter: Callable[[Tensor], tuple[Tensor, Tensor]]) -> Tensor:
+               inter: Callable[[Tensor], tuple[Tensor, Tensor]],
+               weights_key: Optional[Hashable] = None) -> Tensor:
     """The ctx nodes' layer output (eq. 1–4): causal attention over the block plus the inter
     messages, ``inter(q)`` → (messages [B, T, H, D], any source [B, T]) for the queries
-    ``q`` [B, T, H, D]. ``h_ctx`` is ``ctx`` [B, T, d] after the pre-norm."""
-    q, key, feat = _ctx_projections(conv, h_ctx)                            # each [B, T, H, D]
+    ``q`` [B, T, H, D]. ``h_ctx`` is ``ctx`` [B, T, d] after the pre-norm; ``weights_key``
+    as ``fold``'s."""
+    q, key, feat = _ctx_projections(conv, h_ctx, weights_key)               # each [B, T, H, D]
     causal = _causal_attend(conv, q, key, feat, graph.causal_mask())
     return _ctx_output(conv, ctx, causal, *inter(q))                       # inter: ctx ← nbr
 
 
 def ctx_step(conv: GNNLMConv, ctx: Tensor, h_ctx: Tensor,
              past: Optional[tuple[Tensor, Tensor]], ctx_window: Optional[int],
-             inter: Callable[[Tensor], tuple[Tensor, Tensor]]
+             inter: Callable[[Tensor], tuple[Tensor, Tensor]],
+             weights_key: Optional[Hashable] = None
              ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
     """``ctx_update`` for T tokens appended after the P earlier tokens of their block, whose
     intra keys and values at this layer are ``past`` ([B, P, H, D] each; None: none): the
     layer output of the new tokens [B, T, d], and the keys and values of all P + T. The causal
     edges run j → i for j ≤ i (within ``ctx_window``), so the earlier tokens' outputs do not
-    change and are not recomputed."""
-    q, key, feat = _ctx_projections(conv, h_ctx)                            # each [B, T, H, D]
+    change and are not recomputed. ``weights_key`` as ``fold``'s."""
+    q, key, feat = _ctx_projections(conv, h_ctx, weights_key)               # each [B, T, H, D]
     if past is not None:
         key, feat = torch.cat([past[0], key], dim=1), torch.cat([past[1], feat], dim=1)
     T, S = q.shape[1], key.shape[1]
@@ -247,14 +259,17 @@ def ctx_step(conv: GNNLMConv, ctx: Tensor, h_ctx: Tensor,
     return _ctx_output(conv, ctx, causal, *inter(q)), (key, feat)
 
 
-def window_update(conv: GNNLMConv, nbr: Tensor, h: Tensor, present: Tensor) -> Tensor:
+def window_update(conv: GNNLMConv, nbr: Tensor, h: Tensor, present: Tensor,
+                  weights_key: Optional[Hashable] = None) -> Tensor:
     """The window nodes' layer output (eq. 1–4 over the intra edges): each node [..., w, d]
     over its left neighbour, itself and its right neighbour. ``h`` is ``nbr`` after the
-    pre-norm, ``present`` [..., w] the nodes that exist."""
+    pre-norm, ``present`` [..., w] the nodes that exist; ``weights_key`` as ``fold``'s."""
     H, D, d = conv.heads, conv.head_dim, conv.channels
     w = nbr.shape[-2]
-    key, feat, q = _project(h, [fold(_linear(conv.k_lin, "nbr"), conv.w_att["intra"]),
-                                fold(_linear(conv.v_lin, "nbr"), conv.w_fea["intra"]),
+    key, feat, q = _project(h, [fold(_linear(conv.k_lin, "nbr"), conv.w_att["intra"],
+                                     weights_key),
+                                fold(_linear(conv.v_lin, "nbr"), conv.w_fea["intra"],
+                                     weights_key),
                                 (_linear(conv.q_lin, "nbr").weight,
                                  _linear(conv.q_lin, "nbr").bias)], H, D)  # [..., w, H, D]
     pad = (0, 0, 0, 0, 1, 1)  # one empty slot on each side of the window axis

@@ -29,7 +29,7 @@ class ContextStates:
     """The context nodes of one block per stream (a batch of B streams that stay aligned).
 
     Args:
-        states: the window-state table of the trained stack (``TrainedGNN.window_states``).
+        states: the window-state table of the trained stack (``GNNLM.window_states``).
         block_size: tokens per block (the evaluation blocks' size).
     """
 
@@ -53,15 +53,16 @@ class ContextStates:
         if n > self.room:
             raise ValueError(f"{n} tokens do not fit in the block's {self.room} free places: "
                              f"call new_block() at each block boundary.")
-        self.states.prepare(retrieved)
+        self.states.prepare(retrieved)  # digests the stack: its folded maps reuse the key
         states_at, windows, present = self.states.read(retrieved)
+        weights_key = self.states.weights_key
         x = ctx
         for layer, conv in enumerate(self.layers):
             h = conv.pre_norm({"ctx": x})["ctx"]
             x, self._past[layer] = ctx_step(
                 conv, x, h, self._past[layer], self.ctx_window,
                 partial(inter_messages, conv, states=states_at(layer), windows=windows,
-                        present=present))
+                        present=present, weights_key=weights_key), weights_key)
         self.length += n
         return x
 

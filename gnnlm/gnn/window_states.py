@@ -24,12 +24,14 @@ taken take no memory); a batch that would overflow it empties the table and star
 memory stays bounded and the numbers stay exact. Weights that change (a training step, a
 loaded checkpoint, a write through ``p.data``, a move to another device) empty it before the
 next read: each ``prepare`` compares a digest of the weights' bits
-(``gnnlm.utils.tensor_digest``) with the one the table was computed from.
+(``gnnlm.utils.tensor_digest``) with the one the table was computed from. That digest
+(``weights_key``) also keys the relation maps the layers fold (``gnnlm.gnn.dense.fold``) until
+the next ``prepare``, so that a batch or a decoding step digests the stack once.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import partial
 from typing import Optional, cast
 
@@ -86,6 +88,13 @@ class WindowStates:
         the bits (``_version`` misses writes through ``.data`` and fused optimiser steps)."""
         return (str(device), tensor_digest([*self.stack.parameters(), *self.stack.buffers()]))
 
+    @property
+    def weights_key(self) -> Optional[tuple]:
+        """The digest of the weights the table was computed from, taken by the last
+        ``prepare``: valid until the weights next change, which ``fold`` may key its maps on
+        (None before a ``prepare``, and for one layer, which keeps no table)."""
+        return self._weights
+
     def clear(self) -> None:
         self._table = self._row = self._weights = None
         self._used = self.computed = 0
@@ -126,7 +135,8 @@ class WindowStates:
             part = positions[start:start + self.windows_per_step]
             h, present = self._window_inputs(part)                          # [u, w, d]
             for layer, (conv, following) in enumerate(zip(self.layers, self.layers[1:])):
-                h = window_update(conv, h, conv.pre_norm({"nbr": h})["nbr"], present)
+                h = window_update(conv, h, conv.pre_norm({"nbr": h})["nbr"], present,
+                                  self.weights_key)
                 table[layer].index_copy_(0, rows[start:start + len(part)], following.pre_norm(
                     {"nbr": h})["nbr"][:, self.slots].contiguous())
             self.computed += part.shape[0]
@@ -191,26 +201,30 @@ class WindowStates:
             states = states_at(layer)
             h_ctx = conv.pre_norm({"ctx": ctx})["ctx"]
             ctx = ctx_update(conv, ctx, h_ctx, graph, partial(
-                inter_messages, conv, states=states, windows=inverse, present=present))
+                inter_messages, conv, states=states, windows=inverse, present=present,
+                weights_key=self.weights_key), self.weights_key)
         return ctx
 
     __call__ = forward
 
 
 def inter_messages(conv: GNNLMConv, q: Tensor, states: Tensor, windows: Tensor,
-                   present: Tensor) -> tuple[Tensor, Tensor]:
+                   present: Tensor, weights_key: Optional[Hashable] = None
+                   ) -> tuple[Tensor, Tensor]:
     """The inter messages, ctx ← nbr (eq. 2–3), for the tokens' queries ``q`` [B, T, H, D]
     from their windows' pre-normed node states: ``states`` [U, w', d] of the distinct windows,
     ``windows`` [B, T, k] which one each retrieval reads, ``present`` [B, T, k·w'] which nodes
     exist. The relation-folded key map is applied to the query, the value map to the aggregate
     (see the module docstring). A block at a time, so that its gathered states [T, k·w', d] are read
     back from cache. Returns the messages [B, T, H, D] and whether any source reached each
-    token [B, T]."""
+    token [B, T]. ``weights_key`` as ``gnnlm.gnn.dense.fold``'s."""
     H, D, d = conv.heads, conv.head_dim, conv.channels
     B, T, k = windows.shape
     # a key bias would add the same score to every source of a token: the softmax cancels it
-    key_map, _ = fold(cast(nn.Linear, conv.k_lin["nbr"]), conv.w_att["inter"])     # [H·D, d]
-    value_map, value_bias = fold(cast(nn.Linear, conv.v_lin["nbr"]), conv.w_fea["inter"])
+    key_map, _ = fold(cast(nn.Linear, conv.k_lin["nbr"]), conv.w_att["inter"],
+                      weights_key)                                        # [H·D, d]
+    value_map, value_bias = fold(cast(nn.Linear, conv.v_lin["nbr"]), conv.w_fea["inter"],
+                                 weights_key)
     query = torch.einsum("bthe,hed->bthd", q, key_map.view(H, D, d))      # [B, T, H, d]
     query = query * (conv.mu["__".join(NBR_INTER)] / math.sqrt(D))[:, None]
     agg = query.new_empty(B, T, H, d)
