@@ -11,8 +11,8 @@ one top-K per block (queries/s). Then each stage on random data of the table's s
 GNN-LM of 3 layers and 8 heads over blocks of 128 targets):
 
 - ``exact_search``: ``gnnlm.retrieval.exact`` (float16 screening, certified), against the
-  naive search; with the queries screened again in float32 or against every key, and whether
-  its neighbours equal a float32 screening's on a sample;
+  naive search; with the queries widened, screened again in float32 or against every key, and
+  whether its neighbours equal a float32 screening's on a sample;
 - ``kmeans``: ``gnnlm.retrieval.kmeans``, 163,840 keys into 4,096 lists, 10 iterations;
 - ``features``: the base LM's forward in float32, as the features stage runs it;
 - ``base_lm_step``: a training step (bf16 autocast, float32 softmax, clipping, fused AdamW);
@@ -23,8 +23,8 @@ GNN-LM of 3 layers and 8 heads over blocks of 128 targets):
   LM's evaluation of the same tokens (sliding windows, stride half the context).
 
 Keys are clustered random vectors, queries near them: how many queries a trained LM's features
-send to a second screening is in the neighbours' manifests (``screen``), not here. Every record
-has its rate and, where one applies, its limit and their ratio.
+widen or send to a second screening is in the neighbours' manifests (``screen``), not here.
+Every record has its rate and, where one applies, its limit and their ratio.
 """
 from __future__ import annotations
 
@@ -382,7 +382,8 @@ def summary(r: dict) -> str:
              f"{lim['fp32_matmul_tflops']:.1f} TFLOP/s, copy {lim['copy_gbps']:.0f} GB/s",
              f"exact search ({ex['screen']} screening): {ex['queries_per_s']:,.0f} queries/s, "
              f"{ex['ratio']:.2f}x the naive product + top-k ({ex['limit_naive_queries_per_s']:,.0f}"
-             f"); {ex['rescreened_rows']:,} of {ex['queries_rows']:,} screened again, "
+             f"); of {ex['queries_rows']:,} queries {ex['widened_rows']:,} widened, "
+             f"{ex['rescreened_rows']:,} screened again in float32, "
              f"{ex['exhaustive_rows']:,} against every key; equal to float32 screening: "
              f"{ex['equal_to_float32_screening']}",
              f"k-means: {r['kmeans']['seconds']:.2f} s, {r['kmeans']['tflops']:.1f} TFLOP/s "

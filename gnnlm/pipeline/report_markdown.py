@@ -217,7 +217,8 @@ def _screen_clause(screen: Optional[dict]) -> str:
                               for name in ("float16", "float32") if screen.get(name))
     again = (f"{screen.get('rescreened', 0):,} screened again in float32, "
              if screen.get("float16") else "")
-    return (f", screened in {precisions or 'no precision recorded'}, {again}"
+    return (f", screened in {precisions or 'no precision recorded'}, "
+            f"{screen.get('widened', 0):,} widened, {again}"
             f"{screen.get('exhaustive', 0):,} scored against every key")
 
 

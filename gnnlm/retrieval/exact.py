@@ -4,27 +4,34 @@ The exact neighbours of a query are defined once, here: the k train keys with th
 float32 similarity as ``ExactSearch.pair_scores`` computes it (a matrix product of 32 query rows
 by 4,096 key columns, so every score comes out of a product of one shape; on the CPU these are
 the bits of one large product), ties going to the lower train position. ``ExactSearch`` finds
-them in three steps:
+them in four steps:
 
 1. **Screen.** A matrix product of a block of queries by every key, one top-M per block
    (M = k + a margin). ``screen="float16"`` runs it on float16 inputs (tensor cores; CUDA's
-   default), ``"float32"`` on float32 ones. Its scores s̃ differ from the exact ones by at most
-   ε, a rounding-error bound computed for each query (``_screening_queries``: the inputs'
-   rounding to float16, float32 accumulation of d products, Higham's γ_d = d·u/(1 − d·u), the
-   output's rounding, and the exact score's own γ_d).
+   default), ``"float32"`` on float32 ones. Before its output is rounded, a screening score
+   differs from the exact one by at most ε, a rounding-error bound computed for each query
+   (``_screening_queries``: the inputs' rounding to float16, float32 accumulation of d
+   products, Higham's γ_d = d·u/(1 − d·u), and the exact score's own γ_d); a float16 output
+   adds at most half the gap to the next float16.
 2. **Re-score** the M candidates exactly (``pair_scores``) and order them by score, then by
    position.
 3. **Certify.** A key left out screened at most t̃ (the M-th screening score), so its exact
-   score is at most t̃ + ε. Where the k-th exact score among the candidates is above t̃ + ε, no
-   key left out can enter the top k, or tie with it: the row is exact. Rows a float16
-   screening cannot settle are screened again in float32 (ε about 20x smaller); rows a float32
-   screening cannot settle (ties or near-ties across the k-th place, a datastore whose keys
-   all point one way) are re-scored against every key (``_exhaustive``), which costs one more
-   pass over the keys.
+   score is at most t̃ + half a float16 gap + ε. Where the k-th exact score among the
+   candidates is above that, no key left out can enter the top k, or tie with it: the row is
+   exact.
+4. **Widen** the rows step 3 cannot settle (their k-th and M-th scores closer than ε, as in a
+   datastore whose states crowd): the k-th exact score τ among the candidates is a lower bound
+   of the true k-th, so every key of the true top k screens at least (τ − ε) rounded down.
+   One more screening in the same precision collects every such key, and re-scoring them all
+   gives the exact top k without a further bound (``_widened``). Only rows with more than
+   ``WIDEST`` × M such keys go on: a float16 row to a float32 screening (ε about 20x smaller),
+   steps 1-4 again; a float32 row to every key (``_exhaustive``, ties across the k-th place
+   resolved by position).
 
 Both screenings return the same ids and float32 scores, bit for bit; only the time differs. How
-many rows needed a second screening or every key is counted in ``stats``. Squared L2 distances
-cancel too much for a float16 screening to bound usefully: ``l2`` always screens in float32.
+many rows were widened, screened again in float32 or scored against every key is counted in
+``stats``. Squared L2 distances cancel too much for a float16 screening to bound usefully:
+``l2`` always screens in float32.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ F16_SUBNORMAL = 2.0 ** -25          # float16's absolute rounding error below it
 SAFETY = 1.01   # on the error bound (a worst case already): its own float64 arithmetic
 CPU_SCORE_ELEMENTS = 1 << 24        # screening scores per step on the CPU (64 MB of float32)
 GPU_SCORE_BYTES = 8 << 30           # at most this much GPU memory for screening scores
+WIDEST = 16     # a widened row re-scores at most this many times M keys (else: the next step)
 
 
 def resolve_screen(screen: str, metric: str, device: torch.device) -> str:
@@ -64,9 +72,10 @@ def resolve_screen(screen: str, metric: str, device: torch.device) -> str:
 
 
 def default_margin(k: int, screen: str) -> int:
-    """Candidates screened beyond k: a quarter more in float16 (its ε is ~1e-3 of the
-    similarity's scale), a thirty-second more in float32 (~1e-4)."""
-    return max(64, k // 4) if screen == "float16" else max(16, k // 32)
+    """Candidates screened beyond k: k more in float16 (its ε is ~1e-3 of the similarity's
+    scale: on WikiText-2's features a margin of k/4 left ~30% of queries to widen, one of k
+    ~15%), a thirty-second more in float32 (ε ~1e-5 at d = 128)."""
+    return max(64, k) if screen == "float16" else max(16, k // 32)
 
 
 def _gamma(d: int, u: float) -> float:
@@ -102,6 +111,21 @@ def half_products_accumulate_in_float32(device: torch.device, d: int, seed: int 
     # the output's rounding is of the score itself: a float16 sum's errors are of its partials
     bound = gamma * product + U16 * (exact.abs() + gamma * product) + F16_SUBNORMAL
     return bool(((s - exact).abs() <= bound).all())
+
+
+def _next_up(t: torch.Tensor) -> torch.Tensor:
+    """The next float16 above each finite float16 of ``t``, from its bits (older torch releases
+    have no float16 ``nextafter`` on CUDA)."""
+    bits = t.view(torch.int16).to(torch.int32)
+    up = torch.where(t == 0, torch.ones_like(bits), torch.where(bits >= 0, bits + 1, bits - 1))
+    return up.to(torch.int16).view(torch.float16)
+
+
+def _next_down(t: torch.Tensor) -> torch.Tensor:
+    """The next float16 or float32 below each finite value of ``t``."""
+    if t.dtype == torch.float32:
+        return torch.nextafter(t, torch.full_like(t, -math.inf))
+    return -_next_up(-t)
 
 
 def _best(scores: torch.Tensor, ids: torch.Tensor, k: int
@@ -158,7 +182,7 @@ class ExactSearch:
             say(f"[gnnlm] exact search: float16 products on {self.device} are not summed in "
                 f"float32, so their error cannot be bounded: screening in float32 instead")
             self.screen = "float32"
-        self.stats = {"queries": 0, "rescreened": 0, "exhaustive": 0}
+        self.stats = {"queries": 0, "widened": 0, "rescreened": 0, "exhaustive": 0}
         if self.device.type == "cuda" and not (isinstance(keys, torch.Tensor)
                                                and keys.device == self.device):
             self.keys = self._to_gpu(keys)
@@ -281,10 +305,10 @@ class ExactSearch:
     # -- screening -----------------------------------------------------------------------------
     def _screening_queries(self, q: torch.Tensor, screen: str
                            ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``(queries as screened [b, d], ε [b] float64, scale)``: ε bounds |s̃ / scale − s|,
-        a screening score against the exact one, for every key (module docstring). A float16
-        screening scales the queries by a power of two (exact) that keeps every score inside
-        float16's range, then rounds them."""
+        """``(queries as screened [b, d], ε [b] float64, scale)``: ε bounds |v / scale − s|, a
+        screening score before its output rounding against the exact one, for every key
+        (module docstring). A float16 screening scales the queries by a power of two (exact)
+        that keeps every score inside float16's range, then rounds them."""
         gamma = _gamma(self.d, U32)
         q_norm = torch.linalg.vector_norm(q.double(), dim=1)              # [b]
         if screen == "float32":  # the same inputs; two float32 sums in any order
@@ -306,47 +330,95 @@ class ExactSearch:
         eps = (q_error * self._table_norm                     # the queries' rounding
                + scaled_norm * self._table_error              # the keys' rounding
                + gamma * product                              # float32 accumulation
-               + U16 * product * (1 + gamma) + F16_SUBNORMAL  # the float16 output
                + gamma * scaled_norm * self._key_norm)        # the exact score's own rounding
         return q16, SAFETY * eps / scale, scale
 
-    def _screen(self, q: torch.Tensor, width: int, screen: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(ids [b, width], t̃ [b], ε [b])``: ``width`` keys with the highest screening
-        scores in precision ``screen`` (in no order), the lowest of those scores and the error
-        bound, both float64 in the exact scores' units. Every key left out screened at most
-        t̃."""
-        b = q.shape[0]
-        qs, eps, scale = self._screening_queries(q, screen)
+    def _products(self, qs: torch.Tensor, screen: str, wanted: Optional[torch.Tensor] = None
+                  ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The screening scores of queries ``qs`` (as ``_screening_queries`` gives them) with
+        every key, one step at a time: ``(first query row, first key, scores [r, c])``. Each
+        step's scores live in one buffer, overwritten by the next step. A block of rows that
+        ``wanted`` [b] (which the caller may clear as it goes) no longer marks is skipped."""
+        b = qs.shape[0]
         table = self._table if screen == "float16" else None
         span, rows = self._steps(b, qs.element_size(), table is not None)
-        q_sq = (q * q).sum(1) if self.metric == "l2" else None
-        blocks = range(0, b, rows)
-        best = [(qs.new_empty(min(rows, b - r0), 0),
-                 torch.empty((min(rows, b - r0), 0), dtype=torch.int64, device=self.device))
-                for r0 in blocks]
+        q_sq = (qs * qs).sum(1) if self.metric == "l2" else None  # l2: float32, qs is q
         # one score buffer for every step: a fresh one per step (first-touched) cost ~30% on CPU
         buffer = qs.new_empty(min(rows, b) * span)
         for start in range(0, self.n, span):
             stop = min(start + span, self.n)
             kc = table[start:stop] if table is not None else self._range(start, stop)
-            for j, r0 in enumerate(blocks):
+            for r0 in range(0, b, rows):
                 r = min(rows, b - r0)
+                if wanted is not None and not bool(wanted[r0:r0 + r].any()):
+                    continue
                 s = torch.mm(qs[r0:r0 + r], kc.T, out=buffer[:r * (stop - start)].view(
                     r, stop - start))                                       # [r, c]
                 if q_sq is not None and self._k_sq is not None:  # as pair_scores computes it
                     s.mul_(2).sub_(q_sq[r0:r0 + r, None]).sub_(
                         self._k_sq[None, start:stop]).clamp_(max=0.0)
-                top_s, top_i = s.topk(min(width, stop - start), dim=1, sorted=False)
-                run_s = torch.cat([best[j][0], top_s], dim=1)
-                run_i = torch.cat([best[j][1], top_i + start], dim=1)
-                if run_s.shape[1] > width:
-                    run_s, pos = run_s.topk(width, dim=1, sorted=False)
-                    run_i = run_i.gather(1, pos)
-                best[j] = (run_s, run_i)
-        ids = torch.cat([i for _, i in best])
-        floor = torch.cat([s for s, _ in best]).min(dim=1).values.double() / scale
-        return ids, floor, eps
+                yield r0, start, s
+
+    def _screen(self, q: torch.Tensor, width: int, screen: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids [b, width], bound [b], ε [b])``: ``width`` keys with the highest screening
+        scores in precision ``screen`` (in no order); every key left out has an exact score
+        of at most ``bound + ε`` (float64, in the exact scores' units)."""
+        qs, eps, scale = self._screening_queries(q, screen)
+        best: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for r0, start, s in self._products(qs, screen):
+            top_s, top_i = s.topk(min(width, s.shape[1]), dim=1, sorted=False)
+            if r0 in best:
+                top_s, top_i = torch.cat([best[r0][0], top_s], 1), torch.cat(
+                    [best[r0][1], top_i + start], 1)
+                if top_s.shape[1] > width:
+                    top_s, pos = top_s.topk(width, dim=1, sorted=False)
+                    top_i = top_i.gather(1, pos)
+            else:
+                top_i = top_i + start
+            best[r0] = (top_s, top_i)
+        ids = torch.cat([best[r0][1] for r0 in sorted(best)])
+        floor = torch.cat([best[r0][0] for r0 in sorted(best)]).min(dim=1).values
+        if screen == "float16":  # a score that rounded to at most t̃ was below t̃'s next float16
+            floor = floor.double() + (_next_up(floor).double() - floor.double()) / 2
+        return ids, floor.double() / scale, eps
+
+    def _widened(self, q: torch.Tensor, kth: torch.Tensor, width: int, screen: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 4 of the module docstring: ``(ids [b, m], valid [b, m])``, every key whose
+        screening score could reach its row's ``kth`` [b] exact score (sorted by id; ``valid``
+        marks them, the rest is padding), for rows with at most ``WIDEST * width`` such keys;
+        other rows have no valid entry."""
+        b = q.shape[0]
+        qs, eps, scale = self._screening_queries(q, screen)
+        # the least screening score (after its output rounding) a key scoring kth can have
+        least = ((kth.double() - eps) * scale).to(qs.dtype)
+        least = torch.where(least.double() > (kth.double() - eps) * scale, _next_down(least),
+                            least)
+        cap = WIDEST * width
+        count = torch.zeros(b, dtype=torch.int64, device=self.device)
+        keep = torch.ones(b, dtype=torch.bool, device=self.device)  # rows still under the cap
+        rows, ids = [], []
+        for r0, start, s in self._products(qs, screen, wanted=keep):
+            hit = s >= least[r0:r0 + s.shape[0], None]
+            count[r0:r0 + s.shape[0]] += hit.sum(1)
+            keep[r0:r0 + s.shape[0]] = count[r0:r0 + s.shape[0]] <= cap
+            hit &= keep[r0:r0 + s.shape[0], None]  # a row over the cap: the next step settles it
+            r, c = hit.nonzero(as_tuple=True)
+            rows.append(r + r0)
+            ids.append(c + start)
+        row, idx = torch.cat(rows), torch.cat(ids)
+        row, idx = row[keep[row]], idx[keep[row]]
+        order = (row * self.n + idx).argsort()                             # by row, then id
+        row, idx = row[order], idx[order]
+        per_row = torch.bincount(row, minlength=b)
+        first = torch.cumsum(per_row, 0) - per_row
+        width_out = max(int(per_row.max()) if len(per_row) else 0, 1)
+        col = torch.arange(len(row), device=self.device) - first[row]
+        cand = torch.zeros((b, width_out), dtype=torch.int64, device=self.device)
+        valid = torch.zeros((b, width_out), dtype=torch.bool, device=self.device)
+        cand[row, col], valid[row, col] = idx, True
+        return cand, valid
 
     def _steps(self, b: int, itemsize: int, resident_table: bool) -> tuple[int, int]:
         """``(keys, queries)`` per screening product. On the CPU 2^24 scores (64 MB) over
@@ -364,10 +436,13 @@ class ExactSearch:
         return span, max(ROWS, min(b, budget // span))
 
     # -- the search ----------------------------------------------------------------------------
-    def _ordered(self, q: torch.Tensor, cand: torch.Tensor, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k best of candidate ids by exact score, ties to the lower id: ``(scores, ids)``."""
+    def _ordered(self, q: torch.Tensor, cand: torch.Tensor, k: int,
+                 valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best of candidate ids [b, m] by exact score, ties to the lower id:
+        ``(scores, ids)``; entries not ``valid`` never count."""
         scores = self._rescore(q, cand)
+        if valid is not None:
+            scores = scores.masked_fill(~valid, -math.inf)
         cand, perm = cand.sort(dim=1)                                      # ids ascending
         scores = scores.gather(1, perm)
         top_s, pos = scores.sort(dim=1, descending=True, stable=True)      # ties keep id order
@@ -375,13 +450,24 @@ class ExactSearch:
 
     def _certified(self, q: torch.Tensor, k: int, width: int, screen: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Screen ``width`` wide in ``screen`` precision, re-score, and say which rows are
-        certainly exact."""
-        cand, floor, eps = self._screen(q, width, screen)
+        """Steps 1-4 of the module docstring in ``screen`` precision: ``(scores, ids, exact)``,
+        ``exact`` marking the rows they settled."""
+        cand, bound, eps = self._screen(q, width, screen)
         top_s, top_i = self._ordered(q, cand, k)
         if width >= self.n:  # every key was a candidate
             return top_s, top_i, torch.ones(len(q), dtype=torch.bool, device=self.device)
-        return top_s, top_i, top_s[:, -1].double() > floor + eps
+        exact = top_s[:, -1].double() > bound + eps
+        crowded = torch.nonzero(~exact).flatten()
+        if len(crowded):
+            cand, valid = self._widened(q[crowded], top_s[crowded, -1], width, screen)
+            settled = valid.sum(1) >= k     # the k candidates are among them unless over cap
+            rows = crowded[settled]
+            if len(rows):
+                top_s[rows], top_i[rows] = self._ordered(q[rows], cand[settled], k,
+                                                         valid[settled])
+                exact[rows] = True
+                self.stats["widened"] += len(rows)
+        return top_s, top_i, exact
 
     def _exhaustive(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The definition itself: every key re-scored, the k best kept, ties to the lower id.

@@ -173,7 +173,7 @@ def _made_with_the_index_listed(job: NeighborsJob) -> dict | None:
 
 
 COUNTS = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
-SCREEN_COUNTS = ("rescreened", "exhaustive")
+SCREEN_COUNTS = ("widened", "rescreened", "exhaustive")
 
 
 @dataclass
@@ -263,7 +263,8 @@ class NeighborsJob(ShardedJob):
                     sims, ids = sims[:, :K], ids[:, :K]
                 arrays["ids"][start:end] = ids
                 arrays["sims"][start:end] = sims
-            if exact is not None:  # queries screened in each precision; again; exhaustive
+            if exact is not None:  # queries screened in each precision; widened; again;
+                # against every key
                 for name in SCREEN_COUNTS:
                     stats[f"screen_{name}"] = exact.stats[name] - before[name]
                 stats[f"screen_{exact.screen}"] = exact.stats["queries"] - before["queries"]
@@ -280,7 +281,7 @@ class NeighborsJob(ShardedJob):
                                                / max(counts["retrieved_top_k"], 1))}
         index_backend = self.config.backend == "index"
         if not index_backend:  # how the exact search went: queries screened in each
-            # precision, and those it screened wider or scored against every key
+            # precision, and those it widened, screened again or scored against every key
             stats["screen"] = {name: int(summed.get(f"screen_{name}", 0))
                                for name in ("float16", "float32", *SCREEN_COUNTS)}
         return {

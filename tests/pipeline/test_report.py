@@ -231,13 +231,15 @@ def test_the_retrieval_line_gives_the_recall_of_the_setting_the_neighbours_used(
         "final", _retrieval_facts(KeyRetrieval(index, {"test": {"K": 8, "backend": "exact"}},
                                                {}, "ablations (approximate search)")))
     screened = {"K": 8, "backend": "exact",
-                "screen": {"float16": 900, "float32": 0, "rescreened": 12, "exhaustive": 1}}
+                "screen": {"float16": 900, "float32": 0, "widened": 40, "rescreened": 12,
+                           "exhaustive": 1}}
     alone = _retrieval_line("final", _retrieval_facts(KeyRetrieval(None, {"test": screened}, {})))
-    assert ("exact search, K = 8, screened in float16 (900 queries), 12 screened again in "
-            "float32, 1 scored against every key; no index (nothing reads one)") in alone
+    assert ("exact search, K = 8, screened in float16 (900 queries), 40 widened, 12 screened "
+            "again in float32, 1 scored against every key; no index (nothing reads one)") in alone
     screened["screen"] = {"float16": 0, "float32": 900, "rescreened": 0, "exhaustive": 3}
     alone = _retrieval_line("final", _retrieval_facts(KeyRetrieval(None, {"test": screened}, {})))
-    assert "screened in float32 (900 queries), 3 scored against every key; no index" in alone
+    assert ("screened in float32 (900 queries), 0 widened, 3 scored against every key; "
+            "no index") in alone
     train.update(leakage_window=None, masked_fraction=None)
     assert "not masked for leakage" in line(backend="exact", factory="exact")
 

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.retrieval.exact import ExactSearch, half_products_accumulate_in_float32
+from gnnlm.retrieval.exact import (
+    U16,
+    ExactSearch,
+    _next_down,
+    _next_up,
+    half_products_accumulate_in_float32,
+)
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
 from gnnlm.retrieval.search import Searcher
@@ -78,26 +84,63 @@ def test_the_screening_error_bound_holds_for_every_pair():
         search = ExactSearch(keys, metric, screen="float16")
         q = search._queries(queries)
         q16, eps, scale = search._screening_queries(q, "float16")
-        screened = torch.mm(q16, search._table.T).double() / scale   # [n, N]
         exact = torch.cat([search.pair_scores(q[r:r + 32], search._range(0, len(keys)))
                            for r in range(0, len(q), 32)]).double()
-        gap = (screened - exact).abs().max(dim=1).values
-        assert (gap <= eps).all(), metric
-        assert (gap > 0).any()        # the screening does round: the bound is what matters
+        # before the output's rounding: float16 products are exact in float32, so a float32
+        # product of the float16 inputs is the float32 accumulation the bound covers
+        summed = torch.mm(q16.float(), search._table.float().T).double() / scale
+        gap = (summed - exact).abs().max(dim=1).values
+        assert (gap <= eps).all() and (gap > 0).any(), metric  # it does round
+        # after it: what certifying and widening take from a float16 score s̃
+        screened = torch.mm(q16, search._table.T)                          # float16 [n, N]
+        upper = (screened.double() + (_next_up(screened).double() - screened.double()) / 2)
+        assert (exact <= upper / scale + eps[:, None]).all(), metric       # certify
+        least = ((exact - eps[:, None]) * scale).half()
+        least = torch.where(least.double() > (exact - eps[:, None]) * scale, _next_down(least),
+                            least)
+        assert (screened >= least).all(), metric                           # widen
+        # and half a float16 gap is tighter than the output bound of a product of norms
+        assert (upper - screened.double()).max() < U16 * float(q16.double().norm(dim=1).max()
+                                                              * search._table_norm)
 
 
-def test_rows_float16_cannot_settle_are_screened_in_float32_then_against_every_key():
+def test_next_float16_up_and_down_by_bits():
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, 0.978, -0.5, 2.0 ** -24, -(2.0 ** -24), 1000.0,
+                           65000.0]).half()
+    want_up = np.nextafter(values.numpy(), np.float16(np.inf))
+    want_down = np.nextafter(values.numpy(), np.float16(-np.inf))
+    assert np.array_equal(_next_up(values).numpy(), want_up)
+    assert np.array_equal(_next_down(values).numpy(), want_down)
+    f32 = torch.tensor([0.5, -3.0, 0.0])
+    assert np.array_equal(_next_down(f32).numpy(), np.nextafter(f32.numpy(), -np.inf))
+
+
+def test_rows_the_bound_cannot_settle_are_widened_in_the_same_precision():
+    keys, queries = crowded_keys()                                  # 41 keys tie at the top
+    want_s, want_i = definition(keys, queries[:10], 30, "cos")
+    for screen in ("float16", "float32"):
+        search = ExactSearch(keys, "cos", screen=screen)
+        sims, ids = search.search(queries[:10], 30, margin=0)       # ties across the 30th
+        assert search.stats == {"queries": 10, "widened": 10, "rescreened": 0,
+                                "exhaustive": 0}, screen
+        assert np.array_equal(sims, want_s) and np.array_equal(ids, want_i), screen
+
+
+@pytest.mark.parametrize("tied, settled_by", [(1000, "widened"), (2000, "exhaustive")])
+def test_rows_float16_cannot_widen_are_screened_in_float32_then_against_every_key(tied,
+                                                                                  settled_by):
     keys, queries = crowded_keys()
-    keys[1000:2000] = keys[40]                                      # 1,041 keys tie with key 40
-    search = ExactSearch(keys, "cos", screen="float16")
+    keys[1000:1000 + tied] = keys[40]            # more ties than float16 widens (16 x 30);
+    search = ExactSearch(keys, "cos", screen="float16")   # 2,041 more than float32 (16 x 94)
     sims, ids = search.search(queries[:10], 30, margin=0)           # 30, then 94: all ties
-    assert search.stats == {"queries": 10, "rescreened": 10, "exhaustive": 10}
+    assert search.stats == {"queries": 10, "rescreened": 10, "widened": 0, "exhaustive": 0,
+                            settled_by: 10}
     want_s, want_i = definition(keys, queries[:10], 30, "cos")
     assert np.array_equal(sims, want_s) and np.array_equal(ids, want_i)
     assert (ids == np.r_[40, 100:129]).all()
     untied = ExactSearch(crowded_keys()[0], "cos", screen="float16")
     untied.search(queries[20:], 30)                                 # the default margin
-    assert untied.stats["exhaustive"] == 0
+    assert untied.stats["exhaustive"] == 0 and untied.stats["rescreened"] == 0
 
 
 def test_k_beyond_the_datastore_pads_with_minus_one():
@@ -170,6 +213,9 @@ def test_float16_screening_gives_the_float32_neighbours_of_wikitext2_with_the_le
         manifest = build_neighbors(wd, "train", "final", "cos", config, leakage_window=context,
                                    device="cpu")
         assert manifest["screen"][screen] == 3000 and manifest["masked_fraction"] > 0
+        if screen == "float16":  # the bound leaves many rows to widening, few to float32
+            assert manifest["screen"]["widened"] > 0, manifest["screen"]
+            assert manifest["screen"]["rescreened"] < 0.05 * 3000, manifest["screen"]
         built[screen] = open_neighbors(wd.neighbors("final", "cos", "train"))[1]
     for name in ("ids", "sims"):
         assert np.array_equal(built["float16"][name], built["float32"][name]), name

@@ -184,8 +184,8 @@ def test_the_exact_backend_reads_no_index(store, tmp_path):
     manifest = build_neighbors(alone, "valid", "final", "cos",
                                NeighborsConfig(K=9, backend="exact"), device="cpu")
     assert set(manifest["inputs"]) == {"features", "train_features"}
-    assert manifest["screen"] == {"float16": 0, "float32": len(valid), "rescreened": 0,
-                                  "exhaustive": 0}
+    assert manifest["screen"] == {"float16": 0, "float32": len(valid), "widened": 0,
+                                  "rescreened": 0, "exhaustive": 0}
     sims, ids = exact_search(train.astype(np.float16), valid.astype(np.float16), 9, "cos")
     _, arrays = open_neighbors(alone.neighbors("final", "cos", "valid"))
     assert np.array_equal(arrays["ids"], ids) and np.array_equal(arrays["sims"], sims)
