@@ -56,6 +56,8 @@ F16_SUBNORMAL = 2.0 ** -25          # float16's absolute rounding error below it
 SAFETY = 1.01   # on the error bound (a worst case already): its own float64 arithmetic
 CPU_SCORE_ELEMENTS = 1 << 24        # screening scores per step on the CPU (64 MB of float32)
 GPU_SCORE_BYTES = 8 << 30           # at most this much GPU memory for screening scores
+TILE_BATCH = 4                      # tiles per batched product of the exact scores
+RESCORE_ELEMENTS = (1 << 24, 1 << 28)   # key elements one re-scoring step reads: CPU, GPU
 WIDEST = 16     # a widened row re-scores at most this many times M keys (else: the next step)
 
 
@@ -183,6 +185,9 @@ class ExactSearch:
                 f"float32, so their error cannot be bounded: screening in float32 instead")
             self.screen = "float32"
         self.stats = {"queries": 0, "widened": 0, "rescreened": 0, "exhaustive": 0}
+        # re-scoring gathers its unions' padding too where a gather of only the union would
+        # wait for the device (a boolean mask's size), and reads only the union on the host
+        self._gather_pads = self.device.type == "cuda"
         if self.device.type == "cuda" and not (isinstance(keys, torch.Tensor)
                                                and keys.device == self.device):
             self.keys = self._to_gpu(keys)
@@ -269,20 +274,38 @@ class ExactSearch:
                              f"(got {tuple(q.shape)}).")
         return F.normalize(q, dim=1, eps=1e-12) if self.metric == "cos" else q
 
+    def _tile_products(self, q_tiles: torch.Tensor, key_tiles: torch.Tensor) -> torch.Tensor:
+        """``[n, 32, 4096]`` float32 products of query tiles ``q_tiles`` [n, 32, d] and key
+        tiles ``key_tiles`` [n, 4096, d], in batched products of ``TILE_BATCH`` tiles, the last
+        one zero-padded: every exact score comes out of a product of this one shape (on a CPU
+        the bits of one ``mm`` per tile, and of one large product)."""
+        n = q_tiles.shape[0]
+        out = torch.empty((n, ROWS, COLS), dtype=torch.float32, device=self.device)
+        for t0 in range(0, n, TILE_BATCH):
+            a = q_tiles[t0:t0 + TILE_BATCH].contiguous()
+            b = key_tiles[t0:t0 + TILE_BATCH]
+            m = a.shape[0]
+            if m < TILE_BATCH:
+                a = torch.cat([a, a.new_zeros(TILE_BATCH - m, ROWS, self.d)])
+                b = torch.cat([b, b.new_zeros(TILE_BATCH - m, COLS, self.d)])
+            out[t0:t0 + m] = torch.bmm(a, b.transpose(1, 2))[:m]
+        return out
+
     def pair_scores(self, q: torch.Tensor, keys: torch.Tensor,
                     k_sq: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Exact float32 scores [r, u] of query rows ``q`` [r <= 32, d] and prepared key rows
         ``keys`` [u, d] (``k_sq`` [u]: their |k|² for l2), each from a [32, d] x [d, 4096]
-        product, zero-padded: every score comes out of one shape of product, so it does not
-        depend on which other queries or keys were scored beside it."""
+        tile of one batched product, zero-padded (``_tile_products``): a score does not depend
+        on which other queries or keys were scored beside it."""
         r, u = q.shape[0], keys.shape[0]
         padded = q.new_zeros(ROWS, self.d)
         padded[:r] = q
         tiles = -(-u // COLS)
         if u % COLS:  # the last tile zero-padded to the full shape
             keys = torch.cat([keys, keys.new_zeros(tiles * COLS - u, self.d)])
-        scores = torch.cat([torch.mm(padded, keys[t * COLS:(t + 1) * COLS].T)  # [32, 4096]
-                            for t in range(tiles)], dim=1)[:r, :u]
+        scores = self._tile_products(padded.expand(tiles, ROWS, self.d),
+                                     keys.view(tiles, COLS, self.d))       # [tiles, 32, 4096]
+        scores = scores.transpose(0, 1).reshape(ROWS, tiles * COLS)[:r, :u]
         if self.metric == "l2" and k_sq is not None:
             # -|q - k|², as exact_search always computed it; clamped: rounding must not make a
             # distance negative
@@ -291,16 +314,53 @@ class ExactSearch:
         return scores
 
     def _rescore(self, q: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-        """Exact scores [b, M] of queries ``q`` [b, d] and their candidate ids ``cand`` [b, M]:
-        the keys of 32 queries are read once, as the union of their candidates."""
-        out = torch.empty(cand.shape, dtype=torch.float32, device=self.device)
-        for g0 in range(0, q.shape[0], ROWS):
-            group = cand[g0:g0 + ROWS]
-            union, inverse = torch.unique(group, return_inverse=True)      # sorted
-            k_sq = None if self._k_sq is None else self._k_sq[union]
-            scores = self.pair_scores(q[g0:g0 + ROWS], self._rows(union), k_sq)  # [r, u]
-            out[g0:g0 + ROWS] = scores.gather(1, inverse)
-        return out
+        """Exact scores [b, M] of queries ``q`` [b, d] and their candidate ids ``cand`` [b, M],
+        as ``pair_scores`` gives them: the keys of each group of 32 queries are read once, as
+        the union of their candidates, and the tiles of many groups go through the batched
+        product together, with one host-device sync per call (for the unions' sizes), where a
+        loop over groups on a GPU would wait for each."""
+        b, m = cand.shape
+        groups = -(-b // ROWS)
+        if groups * ROWS > b:  # the last group padded with copies of the first row
+            q = torch.cat([q, q[:1].expand(groups * ROWS - b, self.d)])
+            cand = torch.cat([cand, cand[:1].expand(groups * ROWS - b, m)])
+        ids, order = cand.reshape(groups, ROWS * m).sort(dim=1)            # [G, 32·M]
+        new = torch.ones_like(ids, dtype=torch.bool)
+        new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        slot = new.cumsum(1) - 1                            # each sorted id's place in its union
+        sizes = slot[:, -1] + 1                                            # [G] union sizes
+        tiles = [-(-int(size) // COLS) for size in sizes.tolist()]         # the one sync
+        union = torch.zeros((groups, max(tiles) * COLS), dtype=ids.dtype, device=self.device)
+        union.scatter_(1, slot, ids)
+        real = torch.arange(union.shape[1], device=self.device)[None] < sizes[:, None]  # [G, ·]
+        where = torch.empty_like(slot).scatter_(1, order, slot).view(groups, ROWS, m)
+        out = torch.empty((groups, ROWS, m), dtype=torch.float32, device=self.device)
+        budget = RESCORE_ELEMENTS[self.device.type == "cuda"] // (COLS * self.d)   # in tiles
+        g0 = 0
+        while g0 < groups:  # a step: groups whose keys, at the widest union among them, fit
+            g, t = 1, tiles[g0]
+            while g0 + g < groups and (g + 1) * max(t, tiles[g0 + g]) <= budget:
+                t = max(t, tiles[g0 + g])
+                g += 1
+            slots = union[g0:g0 + g, :t * COLS]
+            if self._gather_pads:  # no sync: key 0 fills the pads, never read
+                keys = self._rows(slots.flatten())
+            else:                            # a host-side gather: only the union's keys
+                inside = real[g0:g0 + g, :t * COLS]
+                keys = torch.zeros((g * t * COLS, self.d), device=self.device)
+                keys[inside.flatten()] = self._rows(slots[inside])
+            keys = keys.view(g * t, COLS, self.d)
+            qs = q[g0 * ROWS:(g0 + g) * ROWS].view(g, 1, ROWS, self.d).expand(
+                g, t, ROWS, self.d).reshape(g * t, ROWS, self.d)
+            scores = self._tile_products(qs, keys).view(g, t, ROWS, COLS).transpose(
+                1, 2).reshape(g, ROWS, t * COLS)                           # [g, 32, union]
+            if self.metric == "l2" and self._k_sq is not None:   # as pair_scores computes it
+                rows = q[g0 * ROWS:(g0 + g) * ROWS]
+                scores = scores.mul_(2).sub_((rows * rows).sum(1).view(g, ROWS, 1)).sub_(
+                    self._k_sq[union[g0:g0 + g, :t * COLS]].view(g, 1, -1)).clamp_(max=0.0)
+            out[g0:g0 + g] = scores.gather(2, where[g0:g0 + g])
+            g0 += g
+        return out.view(groups * ROWS, m)[:b]
 
     # -- screening -----------------------------------------------------------------------------
     def _screening_queries(self, q: torch.Tensor, screen: str

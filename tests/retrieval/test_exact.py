@@ -143,6 +143,40 @@ def test_rows_float16_cannot_widen_are_screened_in_float32_then_against_every_ke
     assert untied.stats["exhaustive"] == 0 and untied.stats["rescreened"] == 0
 
 
+@pytest.mark.parametrize("metric", METRICS)
+def test_batched_re_scoring_gives_each_pair_its_pair_scores_bits(metric):
+    """Groups of 32 queries with shared and repeated candidates, a last group of 7, unions of
+    one and of several tiles: every score equals ``pair_scores`` of that query alone against
+    that key alone, whether the padding of the unions is gathered (as on a GPU) or not."""
+    keys, queries = crowded_keys(seed=5, n=9000)
+    rng = np.random.default_rng(5)
+    cand = np.concatenate([rng.integers(0, 9000, (39, 300)),                 # wide unions
+                           np.repeat(rng.integers(0, 50, (1, 300)), 32, 0)])  # one small union
+    cand[:, 5] = cand[:, 4]                                                  # repeats in a row
+    search = ExactSearch(keys, metric, screen="float32", chunk=1000)
+    q, cand = search._queries(queries[:71]), torch.from_numpy(cand)
+    k_sq = search._k_sq
+    want = torch.stack([search.pair_scores(q[i:i + 1], search._rows(cand[i]),
+                                           None if k_sq is None else k_sq[cand[i]])[0]
+                        for i in range(len(cand))])
+    for gather_pads in (False, True):
+        search._gather_pads = gather_pads
+        assert torch.equal(search._rescore(q, cand), want), gather_pads
+
+
+def test_a_batched_product_gives_the_bits_of_one_product_per_tile_on_the_cpu():
+    """The exact scores' batched product (``TILE_BATCH`` tiles per call, the last one
+    zero-padded) against one ``torch.mm`` per [32, d] x [d, 4096] tile, as the scores were
+    computed before, and one large product: the same float32 bits on this CPU."""
+    gen = torch.Generator().manual_seed(0)
+    search = ExactSearch(np.zeros((8, 576), np.float16), "ip", screen="float32")
+    q = torch.randn(7, 32, 576, generator=gen)
+    k = torch.randn(7, 4096, 576, generator=gen)
+    batched = search._tile_products(q, k)
+    assert torch.equal(batched, torch.stack([torch.mm(q[t], k[t].T) for t in range(7)]))
+    assert torch.equal(batched[0], torch.mm(q[0], torch.cat([k[0], k[1]]).T)[:, :4096])
+
+
 def test_k_beyond_the_datastore_pads_with_minus_one():
     keys, queries = crowded_keys()
     keys, queries = keys[:50], queries[20:]
