@@ -57,7 +57,7 @@ SAFETY = 1.01   # on the error bound (a worst case already): its own float64 ari
 CPU_SCORE_ELEMENTS = 1 << 24        # screening scores per step on the CPU (64 MB of float32)
 GPU_SCORE_BYTES = 8 << 30           # at most this much GPU memory for screening scores
 TILE_BATCH = 4                      # tiles per batched product of the exact scores
-RESCORE_ELEMENTS = (1 << 24, 1 << 28)   # key elements one re-scoring step reads: CPU, GPU
+RESCORE_BYTES = 1 << 30             # float32 keys one batched re-scoring step reads (a GPU)
 WIDEST = 16     # a widened row re-scores at most this many times M keys (else: the next step)
 
 
@@ -185,9 +185,9 @@ class ExactSearch:
                 f"float32, so their error cannot be bounded: screening in float32 instead")
             self.screen = "float32"
         self.stats = {"queries": 0, "widened": 0, "rescreened": 0, "exhaustive": 0}
-        # re-scoring gathers its unions' padding too where a gather of only the union would
-        # wait for the device (a boolean mask's size), and reads only the union on the host
-        self._gather_pads = self.device.type == "cuda"
+        # exact scores in batched products on a GPU, where each small product is a launch
+        # and a loop over groups waits for the device; one product per tile on the host
+        self.batched = self.device.type == "cuda"
         if self.device.type == "cuda" and not (isinstance(keys, torch.Tensor)
                                                and keys.device == self.device):
             self.keys = self._to_gpu(keys)
@@ -276,11 +276,16 @@ class ExactSearch:
 
     def _tile_products(self, q_tiles: torch.Tensor, key_tiles: torch.Tensor) -> torch.Tensor:
         """``[n, 32, 4096]`` float32 products of query tiles ``q_tiles`` [n, 32, d] and key
-        tiles ``key_tiles`` [n, 4096, d], in batched products of ``TILE_BATCH`` tiles, the last
-        one zero-padded: every exact score comes out of a product of this one shape (on a CPU
-        the bits of one ``mm`` per tile, and of one large product)."""
+        tiles ``key_tiles`` [n, 4096, d]: every exact score comes out of a product of one
+        shape. Batched (``self.batched``: on a GPU), ``TILE_BATCH`` tiles per ``bmm``, the last
+        call zero-padded; otherwise one ``mm`` per tile (on a CPU the same bits, and those of
+        one large product)."""
         n = q_tiles.shape[0]
         out = torch.empty((n, ROWS, COLS), dtype=torch.float32, device=self.device)
+        if not self.batched:
+            for t in range(n):
+                torch.mm(q_tiles[t], key_tiles[t].T, out=out[t])
+            return out
         for t0 in range(0, n, TILE_BATCH):
             a = q_tiles[t0:t0 + TILE_BATCH].contiguous()
             b = key_tiles[t0:t0 + TILE_BATCH]
@@ -316,9 +321,23 @@ class ExactSearch:
     def _rescore(self, q: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         """Exact scores [b, M] of queries ``q`` [b, d] and their candidate ids ``cand`` [b, M],
         as ``pair_scores`` gives them: the keys of each group of 32 queries are read once, as
-        the union of their candidates, and the tiles of many groups go through the batched
-        product together, with one host-device sync per call (for the unions' sizes), where a
-        loop over groups on a GPU would wait for each."""
+        the union of their candidates."""
+        if self.batched:
+            return self._rescore_batched(q, cand)
+        out = torch.empty(cand.shape, dtype=torch.float32, device=self.device)
+        for g0 in range(0, q.shape[0], ROWS):
+            group = cand[g0:g0 + ROWS]
+            union, inverse = torch.unique(group, return_inverse=True)      # sorted
+            k_sq = None if self._k_sq is None else self._k_sq[union]
+            scores = self.pair_scores(q[g0:g0 + ROWS], self._rows(union), k_sq)  # [r, u]
+            out[g0:g0 + ROWS] = scores.gather(1, inverse)
+        return out
+
+    def _rescore_batched(self, q: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """``_rescore`` for a GPU: the tiles of many groups go through the batched product
+        together, with one host-device sync per call (for the unions' sizes) where the loop
+        waited on each group's ``torch.unique``; the unions' padding is gathered too (key 0,
+        never read), as masking it out would wait for the device again."""
         b, m = cand.shape
         groups = -(-b // ROWS)
         if groups * ROWS > b:  # the last group padded with copies of the first row
@@ -328,28 +347,19 @@ class ExactSearch:
         new = torch.ones_like(ids, dtype=torch.bool)
         new[:, 1:] = ids[:, 1:] != ids[:, :-1]
         slot = new.cumsum(1) - 1                            # each sorted id's place in its union
-        sizes = slot[:, -1] + 1                                            # [G] union sizes
-        tiles = [-(-int(size) // COLS) for size in sizes.tolist()]         # the one sync
+        tiles = [-(-int(size) // COLS) for size in (slot[:, -1] + 1).tolist()]  # the one sync
         union = torch.zeros((groups, max(tiles) * COLS), dtype=ids.dtype, device=self.device)
         union.scatter_(1, slot, ids)
-        real = torch.arange(union.shape[1], device=self.device)[None] < sizes[:, None]  # [G, ·]
         where = torch.empty_like(slot).scatter_(1, order, slot).view(groups, ROWS, m)
         out = torch.empty((groups, ROWS, m), dtype=torch.float32, device=self.device)
-        budget = RESCORE_ELEMENTS[self.device.type == "cuda"] // (COLS * self.d)   # in tiles
+        budget = max(1, RESCORE_BYTES // (COLS * self.d * 4))   # in tiles of float32 keys
         g0 = 0
         while g0 < groups:  # a step: groups whose keys, at the widest union among them, fit
             g, t = 1, tiles[g0]
             while g0 + g < groups and (g + 1) * max(t, tiles[g0 + g]) <= budget:
                 t = max(t, tiles[g0 + g])
                 g += 1
-            slots = union[g0:g0 + g, :t * COLS]
-            if self._gather_pads:  # no sync: key 0 fills the pads, never read
-                keys = self._rows(slots.flatten())
-            else:                            # a host-side gather: only the union's keys
-                inside = real[g0:g0 + g, :t * COLS]
-                keys = torch.zeros((g * t * COLS, self.d), device=self.device)
-                keys[inside.flatten()] = self._rows(slots[inside])
-            keys = keys.view(g * t, COLS, self.d)
+            keys = self._rows(union[g0:g0 + g, :t * COLS].flatten()).view(g * t, COLS, self.d)
             qs = q[g0 * ROWS:(g0 + g) * ROWS].view(g, 1, ROWS, self.d).expand(
                 g, t, ROWS, self.d).reshape(g * t, ROWS, self.d)
             scores = self._tile_products(qs, keys).view(g, t, ROWS, COLS).transpose(

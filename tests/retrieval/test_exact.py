@@ -147,7 +147,7 @@ def test_rows_float16_cannot_widen_are_screened_in_float32_then_against_every_ke
 def test_batched_re_scoring_gives_each_pair_its_pair_scores_bits(metric):
     """Groups of 32 queries with shared and repeated candidates, a last group of 7, unions of
     one and of several tiles: every score equals ``pair_scores`` of that query alone against
-    that key alone, whether the padding of the unions is gathered (as on a GPU) or not."""
+    that key alone, in the host's loop over groups and in a GPU's batched re-scoring."""
     keys, queries = crowded_keys(seed=5, n=9000)
     rng = np.random.default_rng(5)
     cand = np.concatenate([rng.integers(0, 9000, (39, 300)),                 # wide unions
@@ -159,22 +159,23 @@ def test_batched_re_scoring_gives_each_pair_its_pair_scores_bits(metric):
     want = torch.stack([search.pair_scores(q[i:i + 1], search._rows(cand[i]),
                                            None if k_sq is None else k_sq[cand[i]])[0]
                         for i in range(len(cand))])
-    for gather_pads in (False, True):
-        search._gather_pads = gather_pads
-        assert torch.equal(search._rescore(q, cand), want), gather_pads
+    for batched in (False, True):
+        search.batched = batched
+        assert torch.equal(search._rescore(q, cand), want), batched
 
 
 def test_a_batched_product_gives_the_bits_of_one_product_per_tile_on_the_cpu():
-    """The exact scores' batched product (``TILE_BATCH`` tiles per call, the last one
-    zero-padded) against one ``torch.mm`` per [32, d] x [d, 4096] tile, as the scores were
-    computed before, and one large product: the same float32 bits on this CPU."""
+    """A GPU's batched product of the exact scores (``TILE_BATCH`` tiles per call, the last
+    one zero-padded) against the host's one ``torch.mm`` per [32, d] x [d, 4096] tile, and one
+    large product: the same float32 bits on this CPU."""
     gen = torch.Generator().manual_seed(0)
     search = ExactSearch(np.zeros((8, 576), np.float16), "ip", screen="float32")
     q = torch.randn(7, 32, 576, generator=gen)
     k = torch.randn(7, 4096, 576, generator=gen)
-    batched = search._tile_products(q, k)
-    assert torch.equal(batched, torch.stack([torch.mm(q[t], k[t].T) for t in range(7)]))
-    assert torch.equal(batched[0], torch.mm(q[0], torch.cat([k[0], k[1]]).T)[:, :4096])
+    per_tile = search._tile_products(q, k)
+    search.batched = True
+    assert torch.equal(search._tile_products(q, k), per_tile)
+    assert torch.equal(per_tile[0], torch.mm(q[0], torch.cat([k[0], k[1]]).T)[:, :4096])
 
 
 def test_k_beyond_the_datastore_pads_with_minus_one():
