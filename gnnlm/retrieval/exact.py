@@ -2,9 +2,9 @@
 
 The exact neighbours of a query are defined once, here: the k train keys with the highest
 float32 similarity as ``ExactSearch.pair_scores`` computes it (a matrix product of 32 query rows
-by 4,096 key columns, so every score comes out of a product of one shape; on the CPU these are
-the bits of one large product), ties going to the lower train position. ``ExactSearch`` finds
-them in four steps:
+by 4,096 key columns, so every score comes out of a product of one shape: on a GPU four such
+tiles per batched product; on the CPU the bits of one large product), ties going to the lower
+train position. ``ExactSearch`` finds them in four steps:
 
 1. **Screen.** A matrix product of a block of queries by every key, one top-M per block
    (M = k + a margin). ``screen="float16"`` runs it on float16 inputs (tensor cores; CUDA's
@@ -300,8 +300,8 @@ class ExactSearch:
                     k_sq: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Exact float32 scores [r, u] of query rows ``q`` [r <= 32, d] and prepared key rows
         ``keys`` [u, d] (``k_sq`` [u]: their |k|² for l2), each from a [32, d] x [d, 4096]
-        tile of one batched product, zero-padded (``_tile_products``): a score does not depend
-        on which other queries or keys were scored beside it."""
+        tile, zero-padded (``_tile_products``): a score does not depend on which other queries
+        or keys were scored beside it."""
         r, u = q.shape[0], keys.shape[0]
         padded = q.new_zeros(ROWS, self.d)
         padded[:r] = q
@@ -461,7 +461,7 @@ class ExactSearch:
         other rows have no valid entry."""
         b = q.shape[0]
         qs, eps, scale = self._screening_queries(q, screen)
-        # the least screening score (after its output rounding) a key scoring kth can have
+        # the least screening score (after its output rounding) of a key scoring kth or more
         least = ((kth.double() - eps) * scale).to(qs.dtype)
         least = torch.where(least.double() > (kth.double() - eps) * scale, _next_down(least),
                             least)
@@ -483,7 +483,7 @@ class ExactSearch:
         row, idx = row[order], idx[order]
         per_row = torch.bincount(row, minlength=b)
         first = torch.cumsum(per_row, 0) - per_row
-        width_out = max(int(per_row.max()) if len(per_row) else 0, 1)
+        width_out = max(int(per_row.max()), 1)
         col = torch.arange(len(row), device=self.device) - first[row]
         cand = torch.zeros((b, width_out), dtype=torch.int64, device=self.device)
         valid = torch.zeros((b, width_out), dtype=torch.bool, device=self.device)
