@@ -19,8 +19,9 @@ the unmasked search's top K that leakage removed). Valid/test queries are not ma
 
 ``backend="exact"`` searches exactly in torch over the stored train keys (Xu et al.'s "real
 mask"; ``gnnlm.retrieval.exact``: on CUDA a float16 screening, certified, then float32 scores; the
-manifest's ``screen`` counts the queries screened in each precision, those screened again in
-float32 and those scored against every key); ``"index"`` uses the FAISS index ("FAISS mask").
+manifest's ``screen`` counts the queries screened in each precision, those widened, those
+screened again in float32 and those scored against every key); ``"index"`` uses the FAISS index
+("FAISS mask").
 The build goes in fixed chunks of positions with progress after each, so a killed build resumes
 and ends with the same bytes.
 ``devices`` > 1 shares the chunks among processes (``gnnlm.workdir.shards``): one per GPU on CUDA,
