@@ -130,6 +130,14 @@ def _next_down(t: torch.Tensor) -> torch.Tensor:
     return -_next_up(-t)
 
 
+def _negative_squared_distance(products: torch.Tensor, q_sq: torch.Tensor,
+                               k_sq: torch.Tensor) -> torch.Tensor:
+    """-|q - k|² = 2 q·k - |q|² - |k|² from the products, in place (``q_sq`` and ``k_sq``
+    broadcast against them), as exact_search always computed it; clamped: rounding must not
+    make a distance negative."""
+    return products.mul_(2).sub_(q_sq).sub_(k_sq).clamp_(max=0.0)
+
+
 def _best(scores: torch.Tensor, ids: torch.Tensor, k: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best of ``scores`` [r, W] whose columns are the keys ``ids`` [W] (ascending), ties
@@ -312,10 +320,7 @@ class ExactSearch:
                                      keys.view(tiles, COLS, self.d))       # [tiles, 32, 4096]
         scores = scores.transpose(0, 1).reshape(ROWS, tiles * COLS)[:r, :u]
         if self.metric == "l2" and k_sq is not None:
-            # -|q - k|², as exact_search always computed it; clamped: rounding must not make a
-            # distance negative
-            q_sq = (q * q).sum(1)
-            scores = scores.mul(2).sub_(q_sq[:, None]).sub_(k_sq[None]).clamp_(max=0.0)
+            scores = _negative_squared_distance(scores, (q * q).sum(1)[:, None], k_sq[None])
         return scores
 
     def _rescore(self, q: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
@@ -366,8 +371,9 @@ class ExactSearch:
                 1, 2).reshape(g, ROWS, t * COLS)                           # [g, 32, union]
             if self.metric == "l2" and self._k_sq is not None:   # as pair_scores computes it
                 rows = q[g0 * ROWS:(g0 + g) * ROWS]
-                scores = scores.mul_(2).sub_((rows * rows).sum(1).view(g, ROWS, 1)).sub_(
-                    self._k_sq[union[g0:g0 + g, :t * COLS]].view(g, 1, -1)).clamp_(max=0.0)
+                scores = _negative_squared_distance(
+                    scores, (rows * rows).sum(1).view(g, ROWS, 1),
+                    self._k_sq[union[g0:g0 + g, :t * COLS]].view(g, 1, -1))
             out[g0:g0 + g] = scores.gather(2, where[g0:g0 + g])
             g0 += g
         return out.view(groups * ROWS, m)[:b]
@@ -425,8 +431,8 @@ class ExactSearch:
                 s = torch.mm(qs[r0:r0 + r], kc.T, out=buffer[:r * (stop - start)].view(
                     r, stop - start))                                       # [r, c]
                 if q_sq is not None and self._k_sq is not None:  # as pair_scores computes it
-                    s.mul_(2).sub_(q_sq[r0:r0 + r, None]).sub_(
-                        self._k_sq[None, start:stop]).clamp_(max=0.0)
+                    _negative_squared_distance(s, q_sq[r0:r0 + r, None],
+                                               self._k_sq[None, start:stop])
                 yield r0, start, s
 
     def _screen(self, q: torch.Tensor, width: int, screen: str
