@@ -14,7 +14,9 @@ GNN-LM of 3 layers and 8 heads over blocks of 128 targets):
   naive search; with the queries widened, screened again in float32 or against every key, and
   whether its neighbours equal a float32 screening's on a sample;
 - ``kmeans``: ``gnnlm.retrieval.kmeans``, 163,840 keys into 4,096 lists, 10 iterations;
-- ``features``: the base LM's forward in float32, as the features stage runs it;
+- ``features``: the base LM's forward in float32, as the features stage runs it, and
+  ``features_stage``: the stage's loop (the forward, float16 rounding on the device, copies
+  and memmap writes one batch behind) with the share of its time that is the forward;
 - ``base_lm_step``: a training step (bf16 autocast, float32 softmax, clipping, fused AdamW);
 - ``gnn_train[k]``: GNN-LM's training step at k = 32 and 128 on graphs built beforehand (their
   building on one CPU core, the DataLoader workers' job, is its
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +47,10 @@ from torch_geometric.data import Batch
 from gnnlm.gnn.graph import build_context_graph, build_graph
 from gnnlm.gnn.settings import GraphConfig
 from gnnlm.lit.gnn import GNNLM
+from gnnlm.models.encode import encode_windows
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.retrieval.exact import ExactSearch
+from gnnlm.retrieval.features import encode_into
 from gnnlm.retrieval.kmeans import kmeans
 from gnnlm.utils.devices import torch_device
 
@@ -204,6 +209,8 @@ def base_lm(s: Shapes, device: torch.device, compile_step: bool) -> dict:
     out["features"] = {"tokens_per_s": s.batch * s.context / seconds,
                        "tflops": lm_flops_per_token(s, model, False) * s.batch * s.context
                        / seconds / 1e12, "precision": "float32"}
+    with _no_tf32():
+        out["features_stage"] = features_stage(s, model, device, out["features"]["tokens_per_s"])
     params = list(model.parameters())
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=fused or None)
@@ -241,6 +248,41 @@ def base_lm(s: Shapes, device: torch.device, compile_step: bool) -> dict:
     seconds = timed(evaluate, device)
     out["base_lm_eval"] = {"tokens_per_s": s.batch * (s.context // 2) / seconds}
     return out
+
+
+def features_stage(s: Shapes, model: GPT, device: torch.device,
+                   forward_tokens_per_s: float) -> dict:
+    """The features stage's own loop (``gnnlm.retrieval.features.encode_into``): 8 batches of
+    windows (stride half the context) encoded and written into fresh memmaps, against the
+    forward passes alone; and whether the float16 bytes it wrote equal the host's rounding of
+    the same forward's float32 output (the device rounds and copies them, one batch behind)."""
+    batches = 8
+    windows = batches * s.batch
+    stride = s.context // 2
+    tokens = np.random.default_rng(0).integers(0, s.vocab, s.context + (windows - 1) * stride)
+    n = len(tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        def encode() -> dict[str, np.ndarray]:
+            arrays = {key: np.memmap(Path(tmp) / f"{key}.bin", dtype=np.float16, mode="w+",
+                                     shape=(n, s.dim)) for key in ("final", "att")}
+            encode_into(arrays, encode_windows(model, tokens, 0, s.context, stride, None,
+                                               s.batch, False, device), "lm_logprob.bin")
+            return arrays
+
+        seconds = timed(encode, device)
+        written = encode()
+        same = True
+        for batch in encode_windows(model, tokens, 0, s.context, stride, None, s.batch, False,
+                                    device):
+            span = slice(batch.start, batch.start + len(batch.final))
+            for key in ("final", "att"):
+                host = getattr(batch, key).cpu().numpy().astype(np.float16)
+                same &= bool(np.array_equal(host.view(np.uint16),
+                                            np.asarray(written[key][span]).view(np.uint16)))
+        del written
+    forward_seconds = windows * s.context / forward_tokens_per_s
+    return {"tokens_per_s": n / seconds, "forward_share": forward_seconds / seconds,
+            "equal_to_host_rounding": same}
 
 
 # -- GNN-LM ----------------------------------------------------------------------------------
@@ -389,7 +431,10 @@ def summary(r: dict) -> str:
              f"k-means: {r['kmeans']['seconds']:.2f} s, {r['kmeans']['tflops']:.1f} TFLOP/s "
              f"({r['kmeans']['share_of_fp32_matmul']:.0%} of float32 matmul)",
              f"features: {r['features']['tokens_per_s']:,.0f} tokens/s, "
-             f"{r['features']['share_of_fp32_matmul']:.0%} of float32 matmul",
+             f"{r['features']['share_of_fp32_matmul']:.0%} of float32 matmul; the stage's "
+             f"loop {r['features_stage']['tokens_per_s']:,.0f} scored tokens/s, "
+             f"{r['features_stage']['forward_share']:.0%} of it the forward passes, bytes equal "
+             f"to the host's rounding: {r['features_stage']['equal_to_host_rounding']}",
              f"base-LM step: {r['base_lm_step']['tokens_per_s']:,.0f} tokens/s, "
              f"{r['base_lm_step']['share_of_bf16_matmul']:.0%} of bf16 matmul"]
     if "base_lm_step_compiled" in r:

@@ -23,6 +23,9 @@ def test_every_stage_reports_its_rate_and_limit(tmp_path):
     assert search["queries_per_s"] > 0 and search["limit_naive_queries_per_s"] > 0
     for stage in ("kmeans", "features", "base_lm_step"):
         assert 0 < record[stage]["tflops"], stage
+    stage = record["features_stage"]
+    assert stage["equal_to_host_rounding"] is True
+    assert stage["tokens_per_s"] > 0 and 0 < stage["forward_share"]
     for k in record["shapes"]["ks"]:
         assert record[f"gnn_train[{k}]"]["tokens_per_s"] > 0
         assert record[f"gnn_train[{k}]"]["graphs_built_tokens_per_s_one_core"] > 0

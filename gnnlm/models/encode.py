@@ -83,6 +83,15 @@ class EncodedBatch(NamedTuple):
     logprob: Tensor | None  # [n] log p_LM(target) when asked for
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``. To a GPU from pinned memory without waiting: a copy from pageable
+    memory would first wait for every kernel already queued, so the host could not prepare the
+    next batch while the device computes this one."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @torch.no_grad()
 def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int, stride: int,
                    window_range: tuple[int, int] | None = None, batch_size: int = 8,
@@ -92,7 +101,9 @@ def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int,
 
     Spans of consecutive batches are contiguous, so callers can write them straight into a
     position-indexed memmap and resume at any window boundary. ``bos_each_window`` puts
-    ``bos_id`` in the first slot of every window (see the module docstring).
+    ``bos_id`` in the first slot of every window (see the module docstring). Nothing here waits
+    for a GPU: each batch's indices are made on the host before its forward pass, and the
+    yielded tensors are still being computed (a caller reading them on the host waits then).
     """
     n = len(tokens)
     context = min(context, n)
@@ -104,16 +115,19 @@ def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int,
     lo, hi = window_range or (0, len(starts))
     stream = stream_tensor(tokens, bos_id)
     targets = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    device = torch.device(device)
     model.eval()
     for b in range(lo, hi, batch_size):
         w = np.arange(b, min(b + batch_size, hi))
         idx = torch.from_numpy(starts[w])[:, None] + torch.arange(context)[None, :]  # [B, C]
         inputs = open_with_bos(stream[idx], bos_id) if bos_each_window else stream[idx]
-        feats = model(inputs.to(device))
         offsets = score_from[w] - starts[w]                       # first scored slot per window
         ends = np.minimum(starts[w] + context, n) - starts[w]
         keep = torch.cat([torch.arange(o, e) + i * context for i, (o, e)
-                          in enumerate(zip(offsets, ends))]).to(feats.final.device)
+                          in enumerate(zip(offsets, ends))])
+        feats = model(to_device(inputs, device))
+        out = feats.final.device        # a model spread over several GPUs ends on its last
+        keep = to_device(keep, out)
         final = feats.final.reshape(-1, feats.final.shape[-1])[keep].float()   # [n_b, d]
         att = feats.att.reshape(-1, feats.att.shape[-1])[keep].float()
         logprob = None
@@ -121,5 +135,5 @@ def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int,
             positions = torch.cat([torch.arange(s + o, s + e) for s, o, e
                                    in zip(starts[w], offsets, ends)])
             logits = model.logits(final)  # float32 (soft-capped where the model is)
-            logprob = -target_nll(logits, targets[positions].to(logits.device))
+            logprob = -target_nll(logits, to_device(targets[positions], out))
         yield EncodedBatch(int(score_from[w[0]]), final, att, logprob)

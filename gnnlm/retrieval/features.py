@@ -21,13 +21,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from gnnlm.models.base import FEATURE_KEYS, BaseLM
-from gnnlm.models.encode import encode_windows, open_with_bos, protocol, sliding_windows
+from gnnlm.models.encode import (
+    EncodedBatch,
+    encode_windows,
+    open_with_bos,
+    protocol,
+    sliding_windows,
+)
 from gnnlm.text.bos import BosRule
 from gnnlm.text.tokens import TokenStore
 from gnnlm.utils.metrics import check_finite
@@ -141,23 +147,14 @@ class FeaturesJob(ShardedJob):
         model = self.model.to(rank.device).eval()
         tokens = self.tokens()
         bos_id = int(self.tokens_manifest["bos_id"])
-        logprob = arrays.get("lm_logprob")
         for chunk, _ in chunks:
             window_range = (chunk * self.chunk_windows,
                             min((chunk + 1) * self.chunk_windows, self.n_windows))
-            for batch in encode_windows(model, tokens, bos_id, self.context, self.stride,
-                                        window_range, self.batch_size, self.with_logprob,
-                                        rank.device, self.bos_each_window):
-                span = slice(batch.start, batch.start + batch.final.shape[0])
-                arrays["final"][span] = batch.final.cpu().numpy().astype(np.float16)
-                arrays["att"][span] = batch.att.cpu().numpy().astype(np.float16)
-                if logprob is not None and batch.logprob is not None:
-                    values = batch.logprob.cpu().numpy()
-                    check_finite(values, str(self.out_dir / "lm_logprob.bin"),
-                                 "the base LM gives that target probability 0 or NaN (weights "
-                                 "with inf/NaN, or an overflow at this precision): check the "
-                                 "checkpoint.", start=batch.start)
-                    logprob[span] = values
+            encode_into(arrays, encode_windows(model, tokens, bos_id, self.context, self.stride,
+                                               window_range, self.batch_size,
+                                               self.with_logprob, rank.device,
+                                               self.bos_each_window),
+                        str(self.out_dir / "lm_logprob.bin"))
 
     def extra(self, rank: Rank, done: dict[int, dict], wall_seconds: float) -> dict:
         identity = {**self.model.identity(), "location": self.location}
@@ -171,6 +168,65 @@ class FeaturesJob(ShardedJob):
                 "base_lm": identity, "vocab_size": int(self.model.vocab_size),
                 "seconds": wall_seconds, "devices": rank.world,
                 "encode_seconds": round(float(totals(done).get("seconds", 0.0)), 2)}
+
+
+class HostBatch(NamedTuple):
+    """One encoded batch on its way to the host: the keys rounded to float16 on the device
+    (half the bytes to copy; the same rounding, to nearest even, as on the host) and copied
+    into pinned memory without waiting; ``arrived`` is set once the copies are done."""
+    start: int
+    final: torch.Tensor
+    att: torch.Tensor
+    logprob: Optional[torch.Tensor]
+    arrived: Optional[torch.cuda.Event]
+
+    @classmethod
+    def of(cls, batch: EncodedBatch) -> HostBatch:
+        device = batch.final.device
+        if device.type != "cuda":
+            return cls(batch.start, batch.final.half(), batch.att.half(),
+                       None if batch.logprob is None else batch.logprob.cpu(), None)
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        final, att = copy(batch.final.half()), copy(batch.att.half())
+        logprob = None if batch.logprob is None else copy(batch.logprob)
+        arrived = torch.cuda.Event()
+        arrived.record(torch.cuda.current_stream(device))
+        return cls(batch.start, final, att, logprob, arrived)
+
+    def write(self, arrays: dict[str, np.ndarray], logprob_file: str) -> None:
+        """Into the position-indexed ``arrays``, once the copies have arrived; a log-probability
+        that is not finite stops the build, naming ``logprob_file`` and the position."""
+        if self.arrived is not None:
+            self.arrived.synchronize()
+        span = slice(self.start, self.start + self.final.shape[0])
+        arrays["final"][span] = self.final.numpy()
+        arrays["att"][span] = self.att.numpy()
+        if self.logprob is not None and "lm_logprob" in arrays:
+            values = self.logprob.numpy()
+            check_finite(values, logprob_file,
+                         "the base LM gives that target probability 0 or NaN (weights with "
+                         "inf/NaN, or an overflow at this precision): check the checkpoint.",
+                         start=self.start)
+            arrays["lm_logprob"][span] = values
+
+
+def encode_into(arrays: dict[str, np.ndarray], batches: Iterator[EncodedBatch],
+                logprob_file: str) -> None:
+    """Write every batch of ``batches`` (``encode_windows``) into ``arrays``, one behind: the
+    host writes batch i - 1 while the device computes batch i, so on a GPU neither waits for
+    the other (on a CPU the order of the same work). Every batch is written on return."""
+    pending: Optional[HostBatch] = None
+    for batch in batches:
+        staged = HostBatch.of(batch)
+        if pending is not None:
+            pending.write(arrays, logprob_file)
+        pending = staged
+    if pending is not None:
+        pending.write(arrays, logprob_file)
 
 
 def open_features(path: str | Path, expect_lm: dict | None = None) -> tuple[dict, dict]:

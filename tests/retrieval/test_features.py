@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.models.encode import sliding_windows, stream_tensor
+from gnnlm.models.encode import encode_windows, sliding_windows, stream_tensor
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.retrieval.features import (
     build_all_features,
@@ -87,6 +87,50 @@ def test_features_equal_a_direct_forward_pass(store, tmp_path):
     np.testing.assert_array_equal(arrays["targets"], np.asarray(store.split("valid")))
     assert not np.allclose(arrays["final"], arrays["att"], atol=1e-2)
     assert wd.n_positions("valid") == n
+
+
+def test_the_stored_keys_are_each_batchs_float32_output_rounded_to_float16(store, tmp_path):
+    """The stage writes batch i while batch i + 1 computes, rounding on the device: the
+    bytes are those of writing each batch at once after numpy's rounding, at every span
+    (batches of 3 windows, chunks of 2: a short batch at each chunk's end)."""
+    model = gpt(store)
+    wd = Workdir(tmp_path)
+    build(model, store, wd)
+    _, arrays = open_features(wd.features("valid"))
+    tokens = np.asarray(store.split("valid"))
+    n_windows = len(sliding_windows(len(tokens), CONTEXT, STRIDE)[0])
+    written = 0
+    for lo in range(0, n_windows, 2):
+        for batch in encode_windows(model, tokens, store.bos_id, CONTEXT, STRIDE,
+                                    (lo, min(lo + 2, n_windows)), 3, True):
+            span = slice(batch.start, batch.start + len(batch.final))
+            for key in ("final", "att"):
+                host = getattr(batch, key).numpy().astype(np.float16)
+                assert host.tobytes() == np.asarray(arrays[key][span]).tobytes(), (key, span)
+            assert batch.logprob.numpy().tobytes() == np.asarray(
+                arrays["lm_logprob"][span]).tobytes()
+            written += len(batch.final)
+    assert written == len(tokens)
+
+
+def test_torch_rounds_float32_to_float16_as_numpy_does():
+    """``HostBatch`` rounds with torch where the stage used numpy: to nearest, ties to even,
+    subnormals, overflow to inf, at every float16 step (the halfway points included)."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)].astype(np.float32)
+    halves = np.sort(halves)
+    middles = (halves[:-1].astype(np.float64) + halves[1:]) / 2
+    values = np.concatenate([
+        halves, middles.astype(np.float32),
+        np.nextafter(middles.astype(np.float32), np.float32(np.inf)),
+        np.nextafter(middles.astype(np.float32), np.float32(-np.inf)),
+        np.array([65519.99, 65520.0, -65520.0, 1e6, np.inf, -np.inf, 3e-8, 6e-8, -1e-9],
+                 dtype=np.float32),
+        np.random.default_rng(0).standard_normal(100_000).astype(np.float32)])
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16)
+    got = torch.from_numpy(values).half().numpy()
+    assert expected.view(np.uint16).tobytes() == got.view(np.uint16).tobytes()
 
 
 def test_a_stopped_build_resumes_to_the_same_bytes(store, tmp_path):
