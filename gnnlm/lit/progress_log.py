@@ -126,7 +126,24 @@ def epochs_bound(max_epochs: Optional[int], max_steps: Optional[int]) -> bool:
 class EpochBar(RichProgressBar):
     """Lightning's rich progress bar, whose train line reads ``Epoch 0`` rather than
     ``Epoch 0/-2`` when the epoch count does not bound training (``epochs_bound``); else as
-    Lightning's (``Epoch 0/1`` of 2, counted from 0)."""
+    Lightning's (``Epoch 0/1`` of 2, counted from 0). It shows the train loss read at most
+    once every ``LOSS_SECONDS``: the loss is not a progress-bar metric, which Lightning reads
+    back from the device after every step (on a GPU a wait for all its queued kernels)."""
+    LOSS_SECONDS = 1.0
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule
+                    ) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        # the instance is Lightning's bar with its class swapped (gnnlm.lit.cli): no __init__
+        shown: Optional[tuple[float, float]] = getattr(self, "_loss_shown", None)
+        loss = trainer.callback_metrics.get("train/loss")
+        now = time.perf_counter()
+        if loss is not None and (shown is None or now - shown[1] >= self.LOSS_SECONDS):
+            shown = (float(loss), now)
+            self._loss_shown = shown
+        if shown is not None:
+            metrics["train/loss"] = shown[0]
+        return metrics
 
     def _get_train_description(self, current_epoch: int) -> str:
         epochs, description = self.trainer.max_epochs, f"Epoch {current_epoch}"

@@ -172,7 +172,10 @@ class SpalmXL(SegmentMemory, PerTokenGate, TokenLevelModule):
             self._record_k_curve(batch, out, nll, mask, positions)
         elif gate is not None:
             mean = (gate.mean(-1) * mask).sum() / mask.sum().clamp(min=1)
-            self.log(f"{stage}/gate", mean.float(), batch_size=int(mask.sum()))
+            # token-weighted over an evaluation epoch; a train step's value is its own (and
+            # reading the count back there would wait for the GPU every step)
+            self.log(f"{stage}/gate", mean.float(),
+                     batch_size=None if stage == "train" else int(mask.sum()))
             if self.model.memory_scale is not None and stage == "train":
                 self.log("train/memory_scale", self.model.memory_scale.detach().float().mean())
         return nll, mask, positions, gate
