@@ -183,8 +183,8 @@ class HostBatch(NamedTuple):
     @classmethod
     def of(cls, batch: EncodedBatch) -> HostBatch:
         device = batch.final.device
-        if device.type != "cuda":
-            return cls(batch.start, batch.final.half(), batch.att.half(),
+        if device.type != "cuda":  # the host, or a device without CUDA's events
+            return cls(batch.start, batch.final.half().cpu(), batch.att.half().cpu(),
                        None if batch.logprob is None else batch.logprob.cpu(), None)
 
         def copy(t: torch.Tensor) -> torch.Tensor:
