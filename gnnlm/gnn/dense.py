@@ -45,6 +45,7 @@ class DenseGraph:
     inter: str = "window"            # which window nodes send to the context
     ctx_window: Optional[int] = None  # causal edges only from the last ``ctx_window`` tokens
     retrieved: Optional[Tensor] = None  # [B, T, k] train positions, blocks without windows
+    ctx_slots: Optional[tuple[Tensor, Tensor]] = None  # each [n_ctx]: a token's graph, row
 
     def causal_mask(self) -> Tensor:
         """[B, 1, T, T] bool: token i reads token j ≤ i (within the ctx window) that exists."""
@@ -55,15 +56,45 @@ class DenseGraph:
             allowed &= i[:, None] - i[None, :] < self.ctx_window
         return allowed[None, None] & self.ctx_mask[:, None, None, :]
 
+    def tokens(self, dense: Tensor) -> Tensor:
+        """The rows of ``dense`` [B, T, ...] at the existing tokens, in node order: [n_ctx, ...].
+        Gathered at ``ctx_slots`` when the layout has them (indexing by ``ctx_mask`` would
+        read the mask back from the device to size its result)."""
+        if self.ctx_slots is None:
+            return dense[self.ctx_mask]
+        return dense[self.ctx_slots]
 
-def context_layout(ctx_mask: Tensor, retrieved: Tensor,
-                   config: GraphConfig | GraphLayout) -> DenseGraph:
+
+def context_layout(ctx_mask: Tensor, retrieved: Tensor, config: GraphConfig | GraphLayout,
+                   ctx_slots: Optional[tuple[Tensor, Tensor]] = None) -> DenseGraph:
     """The layout of blocks without window nodes (``build_context_graph``'s): tokens
     ``ctx_mask`` [B, T] that retrieved the train positions ``retrieved`` [B, T, k] (-1: none),
     whose windows ``gnnlm.gnn.window_states`` supplies."""
     no_nodes = torch.zeros(*ctx_mask.shape, 0, config.left + config.right + 1, dtype=torch.bool,
                            device=ctx_mask.device)
-    return DenseGraph(ctx_mask, no_nodes, config.left, config.inter, config.ctx_window, retrieved)
+    return DenseGraph(ctx_mask, no_nodes, config.left, config.inter, config.ctx_window, retrieved,
+                      ctx_slots)
+
+
+def layout_sizes(batch) -> tuple[int, int, int]:
+    """(B graphs, T rows, k window slots) of a (batched) HeteroData's dense layout.
+
+    Graphs from ``gnnlm.gnn.graph`` carry their ``layout_size`` as Python ints (a list of them
+    once batched), so the sizes are known on the host. Other graphs' sizes are read from their
+    index tensors, which on a GPU waits for every queued kernel."""
+    sizes = getattr(batch, "layout_size", None)
+    if sizes is not None:
+        per_graph = [sizes] if isinstance(sizes, tuple) else list(sizes)
+        return (len(per_graph), max(T for T, _ in per_graph),
+                max(max(k for _, k in per_graph), 1))
+    ctx_store, nbr_store = batch["ctx"], batch["nbr"]
+    n_ctx = ctx_store.num_nodes
+    ctx_graph = getattr(ctx_store, "batch", None)
+    B = 1 if ctx_graph is None or not n_ctx else int(ctx_graph.max()) + 1
+    T = 0 if not n_ctx else n_ctx if ctx_graph is None else int(
+        torch.bincount(ctx_graph, minlength=B).max())
+    k = int(nbr_store.rank.max()) + 1 if nbr_store.num_nodes else 1
+    return B, T, k
 
 
 def to_dense(batch, config: GraphConfig | GraphLayout, x_key: str = "x"
@@ -72,19 +103,21 @@ def to_dense(batch, config: GraphConfig | GraphLayout, x_key: str = "x"
     ``(ctx [B, T, d], nbr [B, T, k, w, d], DenseGraph)``. Node features are ``x_key``. The window
     sizes, inter edges and ctx window are ``config``'s; k is the batch's (``nbr.rank`` + 1), so
     one config serves every step of a k curriculum. A batch of ``build_context_graph`` blocks
-    has no window nodes: its ``ctx.retrieved`` comes back as ``DenseGraph.retrieved``."""
+    has no window nodes: its ``ctx.retrieved`` comes back as ``DenseGraph.retrieved``.
+
+    Nothing here reads a value back from the device when the graphs carry ``layout_size``
+    (``layout_sizes``): a training step on a GPU is then queued without waiting."""
     ctx_store, nbr_store = batch["ctx"], batch["nbr"]
     ctx_x, nbr_x = ctx_store[x_key], nbr_store.get(x_key)
     n_ctx, d = ctx_x.shape
     device = ctx_x.device
+    B, T, k = layout_sizes(batch)
     ctx_graph = getattr(ctx_store, "batch", None)
+    local = torch.arange(n_ctx, device=device)                           # [n_ctx]
     if ctx_graph is None:  # a single graph
         ctx_graph = torch.zeros(n_ctx, dtype=torch.long, device=device)
-    B = int(ctx_graph.max()) + 1 if n_ctx else 1
-    counts = torch.bincount(ctx_graph, minlength=B)                      # [B]
-    starts = torch.cumsum(counts, 0) - counts
-    T = int(counts.max()) if n_ctx else 0
-    local = torch.arange(n_ctx, device=device) - starts[ctx_graph]       # [n_ctx]
+    else:                  # a row's place in its graph: minus its graph's first node
+        local = local - ctx_store.ptr[ctx_graph]
     w = config.left + config.right + 1
     ctx = ctx_x.new_zeros(B, T, d)
     ctx[ctx_graph, local] = ctx_x
@@ -95,18 +128,18 @@ def to_dense(batch, config: GraphConfig | GraphLayout, x_key: str = "x"
         ids = ctx_store.retrieved                                        # [n_ctx, k]
         retrieved = ids.new_full((B, T, ids.shape[1]), -1)
         retrieved[ctx_graph, local] = ids
-        return ctx, ctx_x.new_zeros(B, T, 0, w, d), context_layout(ctx_mask, retrieved, config)
+        return ctx, ctx_x.new_zeros(B, T, 0, w, d), context_layout(ctx_mask, retrieved, config,
+                                                                     (ctx_graph, local))
     nbr_graph = getattr(nbr_store, "batch", None)
     if nbr_graph is None:
         nbr_graph = torch.zeros(nbr_x.shape[0], dtype=torch.long, device=device)
-    k = int(nbr_store.rank.max()) + 1 if nbr_x.shape[0] else 1
     nbr = nbr_x.new_zeros(B, T, k, w, d)
     nbr_mask = torch.zeros(B, T, k, w, dtype=torch.bool, device=device)
     slot = (nbr_graph, nbr_store.owner_local, nbr_store.rank, nbr_store.offset + config.left)
     nbr[slot] = nbr_x
     nbr_mask[slot] = True
     return ctx, nbr, DenseGraph(ctx_mask, nbr_mask, config.left, config.inter,
-                                config.ctx_window)
+                                config.ctx_window, ctx_slots=(ctx_graph, local))
 
 
 def _linear(modules: nn.ModuleDict, node_type: str) -> nn.Linear:

@@ -174,7 +174,10 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     ``nbr.owner_local`` (the ctx row that retrieved it), each [n_nbr]. ``owner_local`` is per
     graph: PyG does not offset it when batching; after batching use ``ctx.batch`` and
     ``nbr.batch``. The graph also carries ``windows_masked`` (retrieved tokens the leakage rule
-    replaced by later neighbours) and ``nodes_masked`` (window mates it dropped).
+    replaced by later neighbours), ``nodes_masked`` (window mates it dropped) and
+    ``layout_size``, the block's extent in the dense layout (``gnnlm.gnn.dense``): (T, the
+    highest window slot used + 1), as Python ints, which PyG batches into a list that stays on
+    the host.
     """
     ctx_pos, nbr_ids = _block_arrays(ctx_pos, nbr_ids, n_train, leakage_window)
     T = ctx_pos.shape[0]
@@ -219,6 +222,7 @@ def build_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig,
     # leakage statistics: retrieved tokens replaced by later neighbours, window mates dropped
     data.windows_masked = windows_masked
     data.nodes_masked = nodes_masked
+    data.layout_size = (T, int(rank.max()) + 1 if n_nbr else 1)
     return data
 
 
@@ -236,4 +240,5 @@ def build_context_graph(ctx_pos, nbr_ids, n_train: int, config: GraphConfig) -> 
     data["ctx"].retrieved = torch.from_numpy(select_neighbors(nbr_ids, config.k))  # [T, k]
     data["nbr"].num_nodes = 0
     data[CTX_INTRA].edge_index = _causal_edges(T, config)
+    data.layout_size = (T, 0)                                          # no window slots
     return data

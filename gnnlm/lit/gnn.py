@@ -124,9 +124,9 @@ class GNNLM(TokenLevelModule):
                                    "(`gnnlm` links the GraphDataModule's), or set model.graph.")
             ctx, nbr, layout = to_dense(batch, self.graph)
             if layout.retrieved is not None:  # evaluation: each retrieved window once
-                h = self.window_states()(ctx, layout)[layout.ctx_mask]       # [n_ctx, d]
+                h = layout.tokens(self.window_states()(ctx, layout))          # [n_ctx, d]
             else:
-                h = stack_dense(self.gnn, ctx, nbr, layout)[0][layout.ctx_mask]
+                h = layout.tokens(stack_dense(self.gnn, ctx, nbr, layout)[0])
         elif "retrieved" in batch["ctx"]:
             raise ValueError("impl='pyg' passes messages over window nodes: evaluate with the "
                              "data module's eval_windows='per_retrieval'.")
@@ -142,11 +142,12 @@ class GNNLM(TokenLevelModule):
         return nll, torch.ones_like(nll), batch["ctx"].split_pos
 
     def log_leakage(self, batch) -> None:
-        """The share of train-graph windows and nodes the leakage rule replaced or dropped."""
-        windows = float((batch["nbr"].offset == 0).sum())
-        replaced = float(batch.windows_masked.sum())
-        dropped = float(batch.nodes_masked.sum())
-        self.log_dict({"leakage/windows_replaced": replaced / max(windows + replaced, 1.0),
-                       "leakage/nodes_dropped": dropped / max(batch["nbr"].num_nodes + dropped,
-                                                              1.0)},
+        """The share of train-graph windows and nodes the leakage rule replaced or dropped,
+        logged as tensors: a training step reads nothing back from the device."""
+        windows = (batch["nbr"].offset == 0).sum()
+        replaced = batch.windows_masked.sum()
+        dropped = batch.nodes_masked.sum()
+        self.log_dict({"leakage/windows_replaced": replaced / (windows + replaced).clamp(min=1),
+                       "leakage/nodes_dropped": dropped / (batch["nbr"].num_nodes
+                                                           + dropped).clamp(min=1)},
                       on_step=False, on_epoch=True, batch_size=int(batch["ctx"].num_nodes))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch_geometric.data import Batch
 
-from gnnlm.gnn.dense import stack_dense, to_dense
-from gnnlm.gnn.graph import METADATA, GraphConfig, build_graph
+from gnnlm.gnn.dense import layout_sizes, stack_dense, to_dense
+from gnnlm.gnn.graph import METADATA, GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.layer import GNNStack
 from tests.fakes import randomise
 
@@ -100,6 +100,47 @@ def test_layout_places_every_node_in_its_slot():
     slots = (store.batch, store.owner_local, store.rank, store.offset + 1)
     torch.testing.assert_close(nbr[slots], store.x)
     assert not nbr[~graph.nbr_mask].any()                              # absent nodes are zero
+
+
+def _without_layout_size(graphs):
+    for g in graphs:
+        del g.layout_size
+    return graphs
+
+
+def test_the_host_sizes_are_those_the_index_tensors_give():
+    """Graphs carry their dense extent as Python ints (no read from the device): the layout
+    built from them equals the one read from the node indices, for batches with a short last
+    block, a block without neighbours, evaluation blocks without windows, and one graph."""
+    cfg = GraphConfig(left=1, right=2, k=3)
+    rng = np.random.default_rng(0)
+
+    def blocks(context_only=False):
+        out = []
+        for start, T, none in ((100, 7, False), (130, 4, True), (160, 1, False)):
+            ids = np.full((T, 5), -1) if none else rng.integers(0, 200, (T, 5))
+            g = (build_context_graph(np.arange(start, start + T), ids, 200, cfg) if context_only
+                 else build_graph(np.arange(start, start + T), ids, 200, cfg, 4))
+            g["ctx"].x = torch.randn(T, D_MODEL)
+            g["nbr"].x = torch.randn(g["nbr"].num_nodes, D_MODEL)
+            out.append(g)
+        return out
+
+    for graphs in (blocks(), blocks(context_only=True), blocks()[:1], blocks()[1:2]):
+        copies = [g.clone() for g in graphs]
+        with_sizes = Batch.from_data_list(graphs) if len(graphs) > 1 else graphs[0]
+        read = (Batch.from_data_list(_without_layout_size(copies)) if len(copies) > 1
+                else _without_layout_size(copies)[0])
+        assert layout_sizes(with_sizes) == layout_sizes(read)
+        got, want = to_dense(with_sizes, cfg), to_dense(read, cfg)
+        for a, b in zip(got[:2], want[:2]):
+            assert torch.equal(a, b)
+        assert torch.equal(got[2].ctx_mask, want[2].ctx_mask)
+        assert torch.equal(got[2].nbr_mask, want[2].nbr_mask)
+        assert got[2].ctx_slots is not None
+        assert torch.equal(got[2].tokens(got[0]), got[0][got[2].ctx_mask])
+        assert torch.equal(got[2].tokens(got[0]), with_sizes["ctx"].x)
+    assert layout_sizes(Batch.from_data_list(blocks())) == (3, 7, 3)
 
 
 def test_a_block_without_neighbours_reads_only_its_context():

@@ -15,8 +15,10 @@ from torch.overrides import TorchFunctionMode
 
 from gnnlm.lit.progress_log import EpochBar, ProgressLog
 
+# a value as a Python number, a shape that depends on values, and bincount (on CUDA it reads
+# its input's largest value to size its output)
 READS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "numpy", "nonzero",
-         "masked_select", "unique", "argwhere"}
+         "masked_select", "unique", "argwhere", "bincount"}
 STEPS = 12
 
 
@@ -106,4 +108,25 @@ def test_a_spalm_xl_training_step_reads_nothing_back(tmp_path, monkeypatch):
     for batch in batches:
         batch["nbr_values"] = torch.randint(-1, 30, (2, 8, 4), generator=g)
         batch["positions"] = torch.arange(16).view(2, 8)
+    assert steps_read(module, batches, monkeypatch) == Counter()
+
+
+def test_a_gnn_lm_training_step_reads_nothing_back(monkeypatch):
+    from torch_geometric.data import Batch
+
+    from gnnlm.gnn.graph import GraphConfig
+    from gnnlm.lit.gnn import GNNLM
+    from tests.gnn.test_dense import D_MODEL, batch_of_graphs
+
+    cfg = GraphConfig(left=1, right=2, k=3)
+    torch.manual_seed(0)
+    module = GNNLM(vocab_size=30, feature_dim=D_MODEL, num_layers=2, heads=2, dropout=0.1,
+                   graph_layout=cfg)
+    module.attach_output_embedding(torch.randn(30, D_MODEL), torch.randn(30))
+    batches = []
+    for seed in range(STEPS):   # three train graphs under the leakage rule, a short last one
+        batch = batch_of_graphs(cfg, leakage_window=4, seed=seed, dtype=torch.float32)
+        batch["ctx"].y = torch.randint(0, 30, (batch["ctx"].num_nodes,))
+        batches.append(batch)
+    assert isinstance(batches[0], Batch) and int(batches[0].nodes_masked.sum()) > 0
     assert steps_read(module, batches, monkeypatch) == Counter()
