@@ -18,8 +18,11 @@ pytestmark = pytest.mark.integration
 def test_first_stages_of_the_wikitext103_config_on_a_slice(workdir, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     ckpt = workdir / "models" / "base_lm" / "model.ckpt"   # the test pipeline's LM: no training
+    # with a GNN-LM head, whose graphs read the train neighbours (only then are they searched);
+    # these first stages do not train it
     cfg = load_config(["-c", "configs/wikitext103/pipeline.yaml",
                        "-c", "configs/tests/wikitext103_slice.yaml",
+                       "--gnn.config=[configs/trainer/cpu.yaml,configs/wikitext2/gnnlm.yaml]",
                        f"--base_lm.ckpt={ckpt}", f"--workdir={tmp_path / 'w'}"])
     assert cfg.features.devices == 2 and cfg.neighbors.devices == 2
     wd = Workdir(cfg.workdir)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from gnnlm.pipeline.fit_configs import check_fit_config
-from gnnlm.pipeline.head_checks import reads_pq
+from gnnlm.pipeline.head_checks import reads_neighbors, reads_pq
 from gnnlm.workdir import rows
 from gnnlm.workdir.verify import find_artifacts
 
@@ -59,6 +59,13 @@ def gnn_reads_pq(configs: list[str]) -> bool:
     """Whether GNN-LM's window nodes read the PQ codes (``head_checks.reads_pq`` of its parsed
     data module): then the pipeline builds them before it, and it reads them."""
     return reads_pq(check_fit_config(configs).data)
+
+
+def heads_read_neighbors(cfg: PipelineSettings) -> bool:
+    """Whether a head of this run reads the neighbours (``head_checks.reads_neighbors`` of its
+    parsed data module): only then are the primary key's train queries searched."""
+    return any(reads_neighbors(check_fit_config(configs).data)
+               for configs in cfg.heads().values())
 
 
 def head_reads(row: str, configs: list[str]) -> tuple[str, ...]:

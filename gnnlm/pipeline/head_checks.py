@@ -1,6 +1,6 @@
 """The checks of a head's config as LightningCLI parsed it (with its classes' defaults:
 ``gnnlm.pipeline.fit_configs.check_fit_configs``, before any stage runs), and what its data module
-reads of the pipeline's retrieval artifacts (``data_reads``, ``reads_pq``).
+reads of the pipeline's retrieval artifacts (``data_reads``, ``reads_neighbors``, ``reads_pq``).
 
 ``check_head`` refuses a head that reads other retrieval artifacts than the pipeline builds: a
 data module that reads neighbours (its class's ``reads``, or ``retrieved`` > 0) must use
@@ -39,6 +39,12 @@ def _data_class(data: Namespace) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def reads_neighbors(data: Namespace) -> bool:
+    """Whether a parsed data section reads the pipeline's neighbours: its class may
+    (``reads``), or it keeps ``retrieved`` > 0 of them per token."""
+    return "neighbors" in data_reads(data) or int(data.init_args.get("retrieved") or 0) > 0
+
+
 def reads_pq(data: Namespace) -> bool:
     """Whether a parsed data section reads the PQ codes: its class may (``reads``) and its
     ``node_features`` (the parsed value: the class's default when the YAMLs leave it out) say
@@ -55,7 +61,7 @@ def check_head(cfg: PipelineSettings, row: str, paths: list[str], data: Namespac
     which would otherwise run only when the head's stage begins."""
     args = data.init_args
     where = f"the {row} config ({' + '.join(paths)})"
-    if "neighbors" in data_reads(data) or int(args.get("retrieved") or 0) > 0:
+    if reads_neighbors(data):
         _check_retrieval(cfg, where, args)
     values = {**args.as_dict(), "graph": _check_counts(where, args)}
     try:  # a data module of gnnlm's (WorkdirDataModule) has them

@@ -32,7 +32,7 @@ from gnnlm.pipeline.ablations import (
 )
 from gnnlm.pipeline.config import PipelineConfig, load_config
 from gnnlm.pipeline.config_files import yaml_list
-from gnnlm.pipeline.dependencies import cascade_line, gnn_reads_pq
+from gnnlm.pipeline.dependencies import cascade_line, gnn_reads_pq, heads_read_neighbors
 from gnnlm.pipeline.fit_configs import check_fit_configs
 from gnnlm.pipeline.results import KeyRetrieval, Results
 from gnnlm.pipeline.scoring import head_logprobs
@@ -205,8 +205,9 @@ def index_use(cfg: PipelineConfig, key: str) -> Optional[str]:
 def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_window: int
                     ) -> KeyRetrieval:
     """Index (where one is read: ``index_use``), neighbours, and kNN caches of valid/test for
-    one key type. Train queries (masked for leakage) are searched for the primary key only:
-    the one the heads' graphs and memories read; the other keys serve the kNN-LM comparison."""
+    one key type. Train queries (masked for leakage) are searched for the primary key only, and
+    only when a head reads neighbours (``heads_read_neighbors``): the heads' graphs and
+    memories read them; kNN-LM reads valid and test only."""
     metric = cfg.knn.metric
     # the index measures its search settings at the depth the neighbours search: K, and K + W
     # + 1 wide for the train queries masked for leakage (``gnnlm.retrieval.neighbors``)
@@ -218,11 +219,12 @@ def stage_retrieval(cfg: PipelineConfig, workdir: Workdir, key: str, leakage_win
         with timed(f"index[{key}]"):
             index = build_index(workdir, key, metric, cfg.index,
                                 rebuild=cfg.rebuilds("index"), search_k=K, search_width=width)
+    splits = SPLITS if key == cfg.knn.primary and heads_read_neighbors(cfg) else EVAL_SPLITS
     with timed(f"neighbors[{key}]"):
         neighbors = {split: build_neighbors(workdir, split, key, metric, cfg.neighbors,
                                             leakage_window=leakage_window,
                                             rebuild=cfg.rebuilds("neighbors"))
-                     for split in (SPLITS if key == cfg.knn.primary else EVAL_SPLITS)}
+                     for split in splits}
     with timed(f"knn_cache[{key}]"):
         caches = {split: build_knn_cache(workdir, split, key, metric, cfg.knn.scores,
                                          rebuild=cfg.rebuilds("knn_cache"))

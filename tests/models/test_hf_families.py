@@ -292,6 +292,8 @@ GNN_FAMILIES = ("gpt2", "gemma2")
 def test_the_pipeline_runs_end_to_end_on_each_family(name, bpe, corpus_slice, tmp_path):
     from gnnlm.pipeline.config import load_config
     from gnnlm.pipeline.stages import run
+    from gnnlm.workdir.layout import Workdir
+    from gnnlm.workdir.manifests import is_complete
 
     family = FAMILIES[name]
     folder = save_family(family, bpe, tmp_path / name)
@@ -299,8 +301,12 @@ def test_the_pipeline_runs_end_to_end_on_each_family(name, bpe, corpus_slice, tm
             f"--corpus.path={corpus_slice}", f"--workdir={tmp_path / 'work'}", f"--name={name}"]
     if name not in GNN_FAMILIES:
         args.append("--gnn.config=null")
-    run(load_config(args))
+    cfg = load_config(args)
+    run(cfg)
     work = tmp_path / "work"
+    # kNN-LM reads valid and test neighbours only; GNN-LM's graphs read the train ones
+    train_neighbours = Workdir(cfg.root).neighbors(cfg.knn.primary, cfg.knn.metric, "train")
+    assert is_complete(train_neighbours) == (name in GNN_FAMILIES)
     results = json.loads((work / "reports" / name / "results.json").read_text())
     ppl = results["ppl"]
     # random weights: the base LM is near uniform (ppl ~ 515 over 512 tokens); retrieving the

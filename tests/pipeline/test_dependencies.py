@@ -249,3 +249,22 @@ def test_a_changed_neighbors_k_is_refused_once_then_cascades_in_one_run(built, t
     assert gnn["created"] > before["models/gnn"]["created"]
     for name in KEPT:
         assert after[name] == before[name], name
+
+
+# -- which runs search train queries -------------------------------------------------------------
+
+def test_train_queries_are_searched_only_for_a_head_that_reads_neighbours():
+    """GNN-LM's graphs and SPALM's memories read the train neighbours (its gate through
+    ``retrieved`` > 0); a learned output embedding and kNN-LM read none, so a run with only
+    those searches valid and test alone."""
+    from gnnlm.pipeline.dependencies import heads_read_neighbors
+    from gnnlm.workdir.rows import HEAD_CONFIGS
+
+    no_heads = [f"--{name}.config=null" for name in HEAD_CONFIGS]
+    assert heads_read_neighbors(pipeline())
+    assert not heads_read_neighbors(pipeline(extra=tuple(no_heads)))
+    only = {name: tuple(a for a in no_heads if not a.startswith(f"--{name}."))
+            for name in ("gnn", "spalm", "spalm_ft")}
+    assert all(heads_read_neighbors(pipeline(extra=args)) for args in only.values())
+    wds_only = pipeline(extra=tuple(no_heads))
+    assert set(wds_only.heads()) == {"learned_wds", "learned_wds[n=3]"}
