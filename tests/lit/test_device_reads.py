@@ -1,8 +1,9 @@
-"""A training step of the base LM, its Transformer-XL form and SPALM-XL reads nothing back from
-the device, with the progress bar and the progress lines on. On a GPU each such read (a tensor's
-value as a Python number, or a shape that depends on values) waits for every queued kernel, so
-the host cannot queue the next step while the GPU runs this one. Counted here on the CPU, by
-intercepting the tensor operations that would read, wherever gnnlm or Lightning calls them."""
+"""A training step of the base LM, its Transformer-XL form, SPALM-XL, GNN-LM and the heads on
+frozen features reads nothing back from the device, with the progress bar and the progress lines
+on. On a GPU each such read (a tensor's value as a Python number, or a shape that depends on
+values) waits for every queued kernel, so the host cannot queue the next step while the GPU runs
+this one. Counted here on the CPU, by intercepting the tensor operations that would read,
+wherever gnnlm or Lightning calls them."""
 from __future__ import annotations
 
 import traceback
@@ -129,4 +130,23 @@ def test_a_gnn_lm_training_step_reads_nothing_back(monkeypatch):
         batch["ctx"].y = torch.randint(0, 30, (batch["ctx"].num_nodes,))
         batches.append(batch)
     assert isinstance(batches[0], Batch) and int(batches[0].nodes_masked.sum()) > 0
+    assert steps_read(module, batches, monkeypatch) == Counter()
+
+
+@pytest.mark.parametrize("head", ["spalm", "learned_wds", "learned_wds[n=3]"])
+def test_a_head_on_frozen_features_reads_nothing_back(head, monkeypatch):
+    from gnnlm.lit.heads import LearnedDatastoreLM, SpalmLM
+
+    torch.manual_seed(0)
+    if head == "spalm":
+        module = SpalmLM(vocab_size=30, feature_dim=8)
+        module.attach_output_embedding(torch.randn(30, 8), torch.randn(30))
+    else:
+        module = LearnedDatastoreLM(vocab_size=30, feature_dim=8,
+                                    embeddings_per_word=3 if head.endswith("[n=3]") else 1)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"h": torch.randn(16, 8, generator=g),
+                "target": torch.randint(0, 30, (16,), generator=g),
+                "nbr_values": torch.randint(-1, 30, (16, 4), generator=g),   # -1: none
+                "positions": torch.arange(16)} for _ in range(STEPS)]
     assert steps_read(module, batches, monkeypatch) == Counter()
