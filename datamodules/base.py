@@ -28,6 +28,7 @@ from gnnlm.models.base import LogitTransform
 from gnnlm.models.encode import stream_tensor
 from gnnlm.retrieval.features import load_output_embedding
 from gnnlm.workdir.layout import SPLITS, Workdir
+from gnnlm.workdir.manifests import is_complete
 from gnnlm.workdir.refusals import ArtifactError
 
 
@@ -84,6 +85,19 @@ class WorkdirDataModule(pl.LightningDataModule):
         except ArtifactError as err:
             raise ArtifactError(f"{err} {type(self).__name__} reads the artifacts of `gnnlm "
                                 f"pipeline` ({what}); run its retrieval stages first.") from err
+
+    def check_train_neighbors(self, key: str, metric: str) -> None:
+        """Refuse, saying what to run, a work directory whose pipeline searched valid and test
+        but no train query: it searches them only when its config has a head that reads
+        neighbours (an unfinished search is left to ``read_manifest``'s own message)."""
+        train = self.workdir.neighbors(key, metric, "train")
+        if (is_complete(self.workdir.neighbors(key, metric, "valid")) and not is_complete(train)
+                and not train.with_name(train.name + ".partial").exists()):
+            raise ArtifactError(f"{type(self).__name__} reads the train neighbours, and "
+                                f"{train} holds none: `gnnlm pipeline` searches train queries "
+                                f"only when its config has a head that reads neighbours; run it "
+                                f"with this head in its config (e.g. --gnn.config=...), then "
+                                f"fit again.")
 
     def use_features(self, train: dict) -> None:
         """The sizes the CLI links into the model, from the train features' manifest, and the

@@ -94,6 +94,8 @@ class FeatureDataModule(WorkdirDataModule):
         self.key, self.metric, self.retrieved, self.block_size = key, metric, retrieved, block_size
         self.train_tokens, self.eval_tokens = train_tokens, eval_tokens
         self.num_workers = num_workers
+        if retrieved:
+            self.check_train_neighbors(key, metric)
         with self.reading_artifacts("features"):
             self.use_features(self.workdir.features_manifest("train"))
 

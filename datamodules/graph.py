@@ -151,6 +151,7 @@ class GraphDataModule(WorkdirDataModule):
                                                         for epoch, k in k_schedule or [])
         # the k of valid/test graphs (None: graph.k): connect(eval_k=...), one of eval_ks
         self.eval_k: Optional[int] = None
+        self.check_train_neighbors(key, metric)
         with self.reading_artifacts("features, neighbours, PQ codes"):
             train_manifest = self.workdir.features_manifest("train")
             self.train_neighbors = read_manifest(self.workdir.neighbors(key, metric, "train"),

@@ -75,6 +75,7 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
         self.key, self.metric, self.retrieved, self.block_size = key, metric, retrieved, block_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.train_tokens, self.num_workers = train_tokens, num_workers
+        self.check_train_neighbors(key, metric)
         with self.reading_artifacts("tokens, features, neighbours"):
             self.manifests = {s: self.workdir.features_manifest(s) for s in SPLITS}
             tokens = read_manifest(self.workdir.tokens, kind="tokens")

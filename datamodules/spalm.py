@@ -95,6 +95,7 @@ class SpalmDataModule(WorkdirDataModule):
         self.key, self.metric, self.block_size = key, metric, block_size
         self.batch_size, self.eval_streams = batch_size, eval_streams
         self.train_tokens, self.num_workers = train_tokens, num_workers
+        self.check_train_neighbors(key, metric)
         with self.reading_artifacts("tokens, features, train neighbours"):
             self.manifests = {s: self.workdir.features_manifest(s) for s in SPLITS}
             tokens = read_manifest(self.workdir.tokens, kind="tokens")
