@@ -88,16 +88,17 @@ class WorkdirDataModule(pl.LightningDataModule):
 
     def check_train_neighbors(self, key: str, metric: str) -> None:
         """Refuse, saying what to run, a work directory whose pipeline searched valid and test
-        but no train query: it searches them only when its config has a head that reads
-        neighbours (an unfinished search is left to ``read_manifest``'s own message)."""
+        but no train query of ``key``: it searches them only when its config has a head that
+        reads neighbours, for its primary key (an unfinished search is left to
+        ``read_manifest``'s own message)."""
         train = self.workdir.neighbors(key, metric, "train")
         if (is_complete(self.workdir.neighbors(key, metric, "valid")) and not is_complete(train)
                 and not train.with_name(train.name + ".partial").exists()):
             raise ArtifactError(f"{type(self).__name__} reads the train neighbours, and "
                                 f"{train} holds none: `gnnlm pipeline` searches train queries "
-                                f"only when its config has a head that reads neighbours; run it "
-                                f"with this head in its config (e.g. --gnn.config=...), then "
-                                f"fit again.")
+                                f"only when its config has a head that reads neighbours, and "
+                                f"only for its primary key (knn.keys[0]); run it with this head "
+                                f"in its config (e.g. --gnn.config=...), then fit again.")
 
     def use_features(self, train: dict) -> None:
         """The sizes the CLI links into the model, from the train features' manifest, and the

@@ -31,5 +31,6 @@ def test_a_head_reading_train_neighbours_is_told_to_add_itself_to_the_pipeline(d
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{name} reads the train neighbours")
     assert "searches train queries only when its config has a head that reads" in message
+    assert "only for its primary key (knn.keys[0])" in message
     if name == "FeatureDataModule":  # without retrieved values it reads no neighbour
         assert cls(workdir=str(gpt2_work.work), key="final", metric="cos").feature_dim > 0
