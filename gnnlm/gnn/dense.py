@@ -90,11 +90,11 @@ def layout_sizes(batch) -> tuple[int, int, int]:
     ctx_store, nbr_store = batch["ctx"], batch["nbr"]
     n_ctx = ctx_store.num_nodes
     ctx_graph = getattr(ctx_store, "batch", None)
-    B = 1 if ctx_graph is None or not n_ctx else int(ctx_graph.max()) + 1
-    T = 0 if not n_ctx else n_ctx if ctx_graph is None else int(
-        torch.bincount(ctx_graph, minlength=B).max())
     k = int(nbr_store.rank.max()) + 1 if nbr_store.num_nodes else 1
-    return B, T, k
+    if ctx_graph is None or not n_ctx:  # a single graph (or none)
+        return 1, n_ctx, k
+    B = int(ctx_graph.max()) + 1
+    return B, int(torch.bincount(ctx_graph, minlength=B).max()), k
 
 
 def to_dense(batch, config: GraphConfig | GraphLayout, x_key: str = "x"

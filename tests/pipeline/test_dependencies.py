@@ -261,10 +261,10 @@ def test_train_queries_are_searched_only_for_a_head_that_reads_neighbours():
     from gnnlm.workdir.rows import HEAD_CONFIGS
 
     no_heads = [f"--{name}.config=null" for name in HEAD_CONFIGS]
+    wds_only = pipeline(extra=tuple(no_heads))
     assert heads_read_neighbors(pipeline())
-    assert not heads_read_neighbors(pipeline(extra=tuple(no_heads)))
+    assert not heads_read_neighbors(wds_only)
+    assert set(wds_only.heads()) == {"learned_wds", "learned_wds[n=3]"}
     only = {name: tuple(a for a in no_heads if not a.startswith(f"--{name}."))
             for name in ("gnn", "spalm", "spalm_ft")}
     assert all(heads_read_neighbors(pipeline(extra=args)) for args in only.values())
-    wds_only = pipeline(extra=tuple(no_heads))
-    assert set(wds_only.heads()) == {"learned_wds", "learned_wds[n=3]"}
