@@ -18,9 +18,11 @@ GNN-LM of 3 layers and 8 heads over blocks of 128 targets):
   ``features_stage``: the stage's loop (the forward, float16 rounding on the device, copies
   and memmap writes one batch behind) with the share of its time that is the forward;
 - ``base_lm_step``: a training step (bf16 autocast, float32 softmax, clipping, fused AdamW);
-- ``gnn_train[k]``: GNN-LM's training step at k = 32 and 128 on graphs built beforehand (their
-  building on one CPU core, the DataLoader workers' job, is its
-  ``graphs_built_tokens_per_s_one_core``);
+- ``gnn_train[k]``: GNN-LM's training step at k = 32 and 128, its window nodes' features read
+  from the features resident on the device, on graphs built beforehand (building and batching
+  them on one CPU core, the DataLoader workers' job, is its
+  ``graphs_built_tokens_per_s_one_core``; the batch's bytes copied to the device,
+  ``batch_mb_copied``);
 - ``gnn_eval``: GNN-LM's evaluation with each retrieved window computed once, against the base
   LM's evaluation of the same tokens (sliding windows, stride half the context).
 
@@ -45,6 +47,7 @@ from torch.nn import functional as F
 from torch_geometric.data import Batch
 
 from gnnlm.gnn.graph import build_context_graph, build_graph
+from gnnlm.gnn.node_features import ResidentRows
 from gnnlm.gnn.settings import GraphConfig
 from gnnlm.lit.gnn import GNNLM
 from gnnlm.models.encode import encode_windows
@@ -287,10 +290,15 @@ def features_stage(s: Shapes, model: GPT, device: torch.device,
 
 # -- GNN-LM ----------------------------------------------------------------------------------
 class TableFeatures:
-    """Node features from an in-memory float16 table, as ``RawFeatures`` reads a memmap."""
+    """Node features from an in-memory float16 table, as ``RawFeatures`` reads a memmap (and,
+    like it, copied to the GPU that reads them)."""
 
     def __init__(self, values: np.ndarray):
         self.values, self.dim = values, values.shape[1]
+        self.resident_bytes = values.nbytes
+
+    def on_device(self, device: torch.device) -> ResidentRows:
+        return ResidentRows(self.values, device)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         return self.values[positions].astype(np.float32)
@@ -305,9 +313,8 @@ def graphs(s: Shapes, k: int, values: np.ndarray, windows: bool, seed: int) -> l
     for i in range(s.graphs):
         ctx_pos = np.arange(i * s.block, (i + 1) * s.block) + 10 * s.context
         nbr_ids = rng.integers(0, n_train, (s.block, max(k, min(1024, n_train))))
-        if windows:
+        if windows:  # window nodes named by train position: the model reads their features
             data = build_graph(ctx_pos, nbr_ids, n_train, config, leakage_window=s.context)
-            data["nbr"].x = torch.from_numpy(TableFeatures(values)(data["nbr"].train_pos.numpy()))
         else:
             data = build_context_graph(ctx_pos, nbr_ids, n_train, config)
         data["ctx"].x = torch.from_numpy(values[ctx_pos].astype(np.float32))
@@ -325,13 +332,16 @@ def gnn_at(s: Shapes, device: torch.device, k: int, values: np.ndarray) -> tuple
     model.attach_output_embedding(torch.randn(s.vocab, s.dim) * 0.02, None)
     model.attach_node_features(TableFeatures(values), len(values))
     t0 = time.perf_counter()
-    blocks = graphs(s, k, values, windows=True, seed=k)
+    batch = Batch.from_data_list(graphs(s, k, values, windows=True, seed=k))
     build = time.perf_counter() - t0
-    batch = Batch.from_data_list(blocks).to(device)
+    moved = sum(v.numel() * v.element_size() for store in batch.stores
+                for v in store.values() if isinstance(v, torch.Tensor))
+    batch = batch.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4,
                                   fused=device.type == "cuda" or None)
 
     def step() -> None:
+        del batch["nbr"].x  # read again from the resident features in every step, as in a fit
         model.train()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = F.cross_entropy(model(batch), batch["ctx"].y)
@@ -339,9 +349,11 @@ def gnn_at(s: Shapes, device: torch.device, k: int, values: np.ndarray) -> tuple
         loss.backward()
         optimizer.step()
 
+    model.read_node_features(batch)
     seconds = timed(step, device)
     return {"tokens_per_s": s.graphs * s.block / seconds,
             "window_nodes": int(batch["nbr"].num_nodes),
+            "batch_mb_copied": moved / 1e6,
             "graphs_built_tokens_per_s_one_core": s.graphs * s.block / build}, model
 
 
@@ -446,7 +458,7 @@ def summary(r: dict) -> str:
             k = name[len("gnn_train"):]
             lines.append(f"GNN-LM training{k}: {rec['tokens_per_s']:,.0f} tokens/s; graphs "
                          f"built at {rec['graphs_built_tokens_per_s_one_core']:,.0f} tokens/s "
-                         f"per CPU core")
+                         f"per CPU core, {rec['batch_mb_copied']:,.1f} MB per batch copied")
     g = r["gnn_eval"]
     lines.append(f"GNN-LM evaluation (k = {g['k']}): {g['tokens_per_s']:,.0f} tokens/s, "
                  f"{g['time_vs_base_lm']:.2f}x the base LM's time "

@@ -2,10 +2,12 @@
 
 One sample = a block of ``block_size`` consecutive target tokens of a split (GNN-LM §2.2): the
 block's tokens become ``ctx`` nodes with their frozen base-LM features; each token's top-k
-retrieved train positions, widened to windows p−l … p+r, become ``nbr`` nodes with train features
-(PQ-decoded or raw float16). Graphs are built in DataLoader workers from the artifacts of
-``gnnlm pipeline`` under ``workdir``: the ``key`` features, their neighbours under ``metric``, and
-the PQ codes of the ``key`` features.
+retrieved train positions, widened to windows p−l … p+r, become ``nbr`` nodes named by their
+train position (``nbr.train_pos``). Graphs are built in DataLoader workers from the artifacts of
+``gnnlm pipeline`` under ``workdir``: the ``key`` features and their neighbours under ``metric``.
+The window nodes' features (the PQ codes of the ``key`` features decoded, or the raw float16
+ones: ``node_features()``) are read by the GNN-LM module on its own device
+(``gnnlm.gnn.node_features``), so a batch copied to a GPU carries no float32 window features.
 
 Train graphs follow the leakage rule of ``gnnlm.gnn.graph``: no node has read, or is, the target of
 any ctx token it can reach (retrieved tokens that would are replaced by the next of the K stored
@@ -53,18 +55,19 @@ from gnnlm.workdir.manifests import read_manifest
 
 
 class GraphBlocks(Dataset):
-    """Block i of a split → one HeteroData with node features ``x`` and ``ctx`` targets ``y``;
-    with ``node_features=None``, the block without its windows (``ctx.retrieved`` instead:
-    evaluation only)."""
+    """Block i of a split → one HeteroData with ``ctx`` features ``x`` and targets ``y``, and
+    window nodes named by train position (their features are read where the model runs); with
+    ``windows=False``, the block without its windows (``ctx.retrieved`` instead: evaluation
+    only)."""
 
-    def __init__(self, arrays: SplitArrays, split: str, key: str, metric: str, node_features,
+    def __init__(self, arrays: SplitArrays, split: str, key: str, metric: str, windows: bool,
                  block_size: int, graph: GraphConfig, leakage_window: Optional[int],
                  max_tokens: Optional[int] = None):
-        if node_features is None and leakage_window:
+        if not windows and leakage_window:
             raise ValueError("Blocks without window nodes are evaluation blocks: the leakage "
                              "rule of train graphs drops nodes per token.")
         self.arrays, self.split, self.key, self.metric = arrays, split, key, metric
-        self.node_features, self.block_size, self.graph = node_features, block_size, graph
+        self.windows, self.block_size, self.graph = windows, block_size, graph
         # 0 masks nothing (the no-masking ablation): recorded as None, no rule at all
         self.leakage_window = leakage_window if leakage_window else None
         self.n_train = arrays.n("train")
@@ -89,11 +92,10 @@ class GraphBlocks(Dataset):
         ctx_pos = np.arange(i * self.block_size, min((i + 1) * self.block_size, self.n))
         # all K stored neighbours: leaky ones are skipped for the next (train graphs)
         nbr_ids = np.asarray(ids[ctx_pos[0]: ctx_pos[-1] + 1], dtype=np.int64)
-        if self.node_features is None:
-            data = build_context_graph(ctx_pos, nbr_ids, self.n_train, self.graph)
-        else:
+        if self.windows:
             data = build_graph(ctx_pos, nbr_ids, self.n_train, self.graph, self.leakage_window)
-            data["nbr"].x = torch.from_numpy(self.node_features(data["nbr"].train_pos.numpy()))
+        else:
+            data = build_context_graph(ctx_pos, nbr_ids, self.n_train, self.graph)
         data["ctx"].x = torch.from_numpy(np.asarray(ctx_feats[ctx_pos], dtype=np.float32))
         data["ctx"].y = torch.from_numpy(np.asarray(targets[ctx_pos], dtype=np.int64))
         return data
@@ -118,7 +120,8 @@ class GraphDataModule(WorkdirDataModule):
             workdir: the work directory of ``gnnlm pipeline`` whose artifacts are read.
             key: the node feature and the retrieval key (GNN-LM uses ``final``).
             metric: the similarity the neighbours of ``key`` were searched with.
-            node_features: window nodes' features: PQ-decoded (``pq``) or the stored ones.
+            node_features: window nodes' features: PQ-decoded (``pq``) or the stored ones
+                (``raw``), read by the model where it runs (``node_features()``).
             block_size: consecutive target tokens per graph.
             graph: window sizes, neighbours per token k and inter edges of every graph.
             k_schedule: ``[[epoch, k], ...]``, the k curriculum (None: ``graph.k`` throughout).
@@ -200,6 +203,8 @@ class GraphDataModule(WorkdirDataModule):
 
     # -- pieces ----------------------------------------------------------------------------
     def node_features(self) -> PQFeatures | RawFeatures:
+        """The train features the window nodes read (``GNNLM.attach_node_features``; the
+        ``gnnlm`` commands attach them)."""
         if self.node_feature_kind == "pq":
             return PQFeatures(self.workdir.pq(self.key))
         return RawFeatures(self.workdir.features("train"), self.key)
@@ -229,9 +234,8 @@ class GraphDataModule(WorkdirDataModule):
         graph = dataclasses.replace(self.graph, k=k or self.current_k(None))
         train = split == "train"
         with_windows = train or self.eval_windows == "per_retrieval"
-        return GraphBlocks(self.arrays, split, self.key, self.metric,
-                           self.node_features() if with_windows else None, self.block_size,
-                           graph, self.leakage_window if train else None,
+        return GraphBlocks(self.arrays, split, self.key, self.metric, with_windows,
+                           self.block_size, graph, self.leakage_window if train else None,
                            self.train_tokens if train else self.eval_tokens)
 
     # -- loaders ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import faiss
 import numpy as np
 import torch
 
+from gnnlm.gnn.node_features import ResidentPQ, ResidentRows
 from gnnlm.gnn.settings import PQConfig  # the settings, without faiss: importable from here too
 from gnnlm.retrieval.features import check_key, open_features
 from gnnlm.utils.progress import format_seconds, say
@@ -138,9 +139,10 @@ class PQFeatures:
     """Decodes train features at given datastore positions from PQ codes.
 
     Decoding is a table lookup (each code byte picks its sub-quantizer's centroid) and, for
-    OPQ, the rotation's inverse, in numpy: DataLoader workers are forked, and a faiss call in a
-    forked child can wait forever on the OpenMP threads of its parent (GNU libgomp is not
-    fork-safe), so the workers never call faiss. The tables are read once, here."""
+    OPQ, the rotation's inverse, in numpy rather than faiss: the same lookup as the gather that
+    decodes on a GPU (``gnnlm.gnn.node_features``), so both give the same bits, and safe in a
+    forked DataLoader worker, where a faiss call can wait forever on the OpenMP threads of its
+    parent (GNU libgomp is not fork-safe). The tables are read once, here."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -157,6 +159,15 @@ class PQFeatures:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.codes = open_array(self.path, "codes", self.manifest)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What ``on_device`` places on a device: the codes and the codebooks."""
+        return self.codes.nbytes + self.centroids.nbytes
+
+    def on_device(self, device: torch.device) -> ResidentPQ:
+        """The codes and codebooks copied to ``device``: positions there → the same features."""
+        return ResidentPQ(self.codes, self.centroids, self.rotation, self.bias, device)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         codes = np.asarray(self.codes[positions])                       # [n, m] uint8
@@ -182,6 +193,14 @@ class RawFeatures:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.values = open_features(self.features_dir)[1][self.key]
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.values.nbytes
+
+    def on_device(self, device: torch.device) -> ResidentRows:
+        """The features copied to ``device``: positions there → the same float32 rows."""
+        return ResidentRows(self.values, device)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         # np.take on a plain ndarray view, float16 -> float32 in torch (vectorised): through

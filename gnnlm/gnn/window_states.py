@@ -35,17 +35,15 @@ from collections.abc import Callable, Hashable
 from functools import partial
 from typing import Optional, cast
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from gnnlm.gnn.dense import DenseGraph, ctx_update, fold, window_update
 from gnnlm.gnn.graph import NBR_INTER, GraphConfig
 from gnnlm.gnn.layer import GNNLMConv, GNNStack
+from gnnlm.gnn.node_features import HostFeatures, NodeFeatureReader
 from gnnlm.gnn.settings import GraphLayout
 from gnnlm.utils.tensor_digest import tensor_digest
-
-NodeFeatures = Callable[[np.ndarray], np.ndarray]  # train positions [n] -> float32 [n, d]
 
 
 class WindowStates:
@@ -54,19 +52,23 @@ class WindowStates:
     Args:
         stack: the trained ``GNNStack`` (``kind="gnnlm"``) the states belong to.
         node_features: train positions → their node features (``gnnlm.gnn.pq.RawFeatures`` or
-            ``PQFeatures``), as the graphs the stack was trained on read them.
+            ``PQFeatures``, read on the table's device by a ``NodeFeatureReader``), as the
+            graphs the stack was trained on read them.
         n_train: the train split's size (windows are clipped to it).
         config: the window sizes and inter edges of those graphs.
         max_windows: the most windows kept (default: ``n_train``, every train position).
         windows_per_step: windows computed at once when filling (bounds the memory of a fill).
     """
 
-    def __init__(self, stack: GNNStack, node_features: NodeFeatures, n_train: int,
+    def __init__(self, stack: GNNStack, node_features: HostFeatures | NodeFeatureReader,
+                 n_train: int,
                  config: GraphConfig | GraphLayout, max_windows: Optional[int] = None,
                  windows_per_step: int = 16384):
         if stack.kind != "gnnlm":
             raise ValueError(f"window states are GNNLMConv layers' (got kind={stack.kind!r}).")
-        self.stack, self.node_features, self.n_train = stack, node_features, n_train
+        self.stack, self.n_train = stack, n_train
+        self.node_features = (node_features if isinstance(node_features, NodeFeatureReader)
+                              else NodeFeatureReader(node_features))
         self.config, self.windows_per_step = config, windows_per_step
         self.max_windows = n_train if max_windows is None else max_windows
         if self.max_windows < 1:
@@ -120,8 +122,7 @@ class WindowStates:
         nearest row instead: every softmax masks it out, so it only has to be finite."""
         q = positions[:, None] + self.offsets[slots].to(positions.device)   # [U, w']
         present = (q >= 0) & (q < self.n_train)
-        rows = self.node_features(q.clamp(0, self.n_train - 1).flatten().cpu().numpy())
-        x = torch.from_numpy(np.asarray(rows)).to(positions.device, self._dtype())
+        x = self.node_features(q.clamp(0, self.n_train - 1).flatten()).to(self._dtype())
         return x.view(*q.shape, -1), present
 
     def _dtype(self) -> torch.dtype:

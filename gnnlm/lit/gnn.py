@@ -12,11 +12,15 @@ the same weights. The window sizes, inter edges and ctx window of that layout ar
 the data module's ``graph`` without its k (``GraphLayout``), which ``gnnlm fit`` links into the
 model: k has one owner, the data module, and the model reads it from each batch.
 
-Evaluation blocks that name their windows by position (``ctx.retrieved``, the data module's
-``eval_windows="once"``) are read through ``gnnlm.gnn.window_states.WindowStates``: each retrieved
-window is computed once, for every token and every evaluation that retrieves it while the
-weights stay the same. Its node features are attached with ``attach_node_features``
-(``gnnlm.lit.datastore.AttachDatastore`` in a ``gnnlm`` command).
+The data module's graphs name each window node by its train position (``nbr.train_pos``); the
+model reads their features on its own device (``gnnlm.gnn.node_features``: on a GPU from the PQ
+codes or features resident there), so a batch moved to the GPU carries 8 bytes per window node
+instead of its float32 feature. Evaluation blocks that name their windows by position
+(``ctx.retrieved``, the data module's ``eval_windows="once"``) are read through
+``gnnlm.gnn.window_states.WindowStates``: each retrieved window is computed once, for every token
+and every evaluation that retrieves it while the weights stay the same. The node features are
+attached with ``attach_node_features`` (``gnnlm.lit.datastore.AttachDatastore`` in a ``gnnlm``
+command).
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ from torch.nn import functional as F
 from gnnlm.gnn.dense import stack_dense, to_dense
 from gnnlm.gnn.graph import METADATA, GraphConfig
 from gnnlm.gnn.layer import GNNStack
+from gnnlm.gnn.node_features import HostFeatures, NodeFeatureReader
 from gnnlm.gnn.settings import GraphLayout
-from gnnlm.gnn.window_states import NodeFeatures, WindowStates
+from gnnlm.gnn.window_states import WindowStates
 from gnnlm.lit.base import TokenLevelModule
 from gnnlm.lit.settings import OptimConfig
 from gnnlm.models.base import float32
@@ -89,18 +94,35 @@ class GNNLM(TokenLevelModule):
         # a GraphConfig here (tests, or the data module's graph set by hand) reads as its layout
         self.graph: Optional[GraphLayout | GraphConfig] = (
             None if graph_layout is None else GraphLayout.of(graph_layout))
-        self._node_features: Optional[tuple[NodeFeatures, int]] = None
+        self._node_features: Optional[tuple[NodeFeatureReader, int]] = None
         self._window_states: Optional[WindowStates] = None
 
     @property
     def has_node_features(self) -> bool:
         return self._node_features is not None
 
-    def attach_node_features(self, node_features: NodeFeatures, n_train: int) -> None:
-        """The train node features (positions → float32 [n, d]) and the train split's size,
-        which window states read for evaluation blocks without window nodes."""
-        self._node_features = (node_features, n_train)
+    def attach_node_features(self, node_features: HostFeatures, n_train: int) -> None:
+        """The train node features (positions → float32 [n, d]: ``gnnlm.gnn.pq.PQFeatures``,
+        ``RawFeatures`` or any such function) and the train split's size: window nodes given by
+        position read them, and so do window states for evaluation blocks without window
+        nodes."""
+        self._node_features = (NodeFeatureReader(node_features), n_train)
         self._window_states = None
+
+    def read_node_features(self, batch) -> None:
+        """Give the window nodes of ``batch`` that carry only their train position
+        (``nbr.train_pos``, as the data module builds them) their features, on the batch's
+        device."""
+        if "nbr" not in batch.node_types:
+            return
+        nbr = batch["nbr"]
+        if "x" in nbr or "train_pos" not in nbr:
+            return
+        if self._node_features is None:
+            raise RuntimeError("The batch's window nodes carry train positions, not features: "
+                               "train and evaluate with `gnnlm` on a GraphDataModule, or call "
+                               "attach_node_features(data.node_features(), data.n_train).")
+        nbr.x = self._node_features[0](nbr.train_pos)
 
     def window_states(self) -> WindowStates:
         """The window-state table of this model's GNN for the current graph layout."""
@@ -118,6 +140,7 @@ class GNNLM(TokenLevelModule):
 
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
+        self.read_node_features(batch)
         if self.impl == "dense":
             if self.graph is None:
                 raise RuntimeError("The dense path needs the graphs' layout: pass graph_layout "

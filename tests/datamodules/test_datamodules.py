@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from gnnlm.gnn.graph import GraphConfig
 from gnnlm.gnn.pq import PQConfig, PQFeatures, build_pq
+from gnnlm.lit.gnn import GNNLM
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, neighbor_values
 from gnnlm.workdir.layout import Workdir
@@ -168,6 +169,8 @@ def test_graph_loaders_partition_every_split(work):
                          num_workers=0, eval_windows="per_retrieval")
     assert (dm.feature_dim, dm.vocab_size, dm.leakage_window) == (D, V, W)
     pq = PQFeatures(wd.pq("final"))
+    model = GNNLM(vocab_size=V, feature_dim=D)
+    model.attach_node_features(dm.node_features(), dm.n_train)
     loaders = {"train": dm.train_dataloader(), "valid": dm.val_dataloader(),
                "test": dm.test_dataloader()}
     for split, loader in loaders.items():
@@ -182,6 +185,9 @@ def test_graph_loaders_partition_every_split(work):
                                           final[split_pos].astype(np.float16).astype(np.float32))
             nbr = batch["nbr"]
             train_pos = nbr.train_pos.numpy()
+            # window nodes carry their positions; the model reads their features where it runs
+            assert "x" not in nbr and nbr.num_nodes == len(train_pos)
+            model.read_node_features(batch)
             np.testing.assert_array_equal(nbr.x.numpy(), pq(train_pos))
             # the ctx row that retrieved each window node, across the batch's graphs
             ctx_graph = batch["ctx"].batch.numpy()

@@ -112,6 +112,35 @@ def test_evaluation_blocks_that_name_their_windows_score_as_the_graphs_with_them
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["dense", "pyg"])
+def test_window_nodes_named_by_position_read_the_attached_features(impl):
+    """Train graphs as the data module builds them (``nbr.train_pos``, no ``x``): the model
+    reads each window node's feature by position, giving the logits of the same graphs with
+    their features set, and says what to attach when it has none."""
+    cfg = GraphConfig(left=1, right=1, k=3)
+    n_train = 200
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((n_train, D_MODEL)).astype(np.float32)
+    given, named = [], []
+    for start, T in ((100, 7), (150, 4)):
+        ids = rng.integers(0, n_train, (T, 5))
+        ctx = torch.from_numpy(rng.standard_normal((T, D_MODEL)).astype(np.float32))
+        for graphs in (given, named):
+            graph = build_graph(np.arange(start, start + T), ids, n_train, cfg, 8)
+            graph["ctx"].x = ctx
+            graphs.append(graph)
+        given[-1]["nbr"].x = torch.from_numpy(table[given[-1]["nbr"].train_pos.numpy()])
+    model = _model(impl, cfg).eval()
+    randomise(model.gnn)
+    with pytest.raises(RuntimeError, match=r"attach_node_features\(data.node_features\(\)"):
+        model(Batch.from_data_list(named))
+    model.attach_node_features(lambda positions: table[positions], n_train)
+    with torch.no_grad():
+        want = model(Batch.from_data_list(given))
+        got = model(Batch.from_data_list(named))
+    assert torch.equal(got, want)
+
+
 def test_the_dense_path_needs_the_graph_layout_and_dense_needs_gnnlm_layers():
     batch = _with_targets(batch_of_graphs(GraphConfig(k=2), dtype=torch.float32))
     model = _model("dense", None)

@@ -269,7 +269,8 @@ def test_no_node_of_a_train_graph_has_read_a_target_it_reaches(workdir, results,
         assert owners.all()                                       # every node reaches its token
         t = g["ctx"].split_pos.numpy()
         unmasked += leaks(build_graph(t, ids[t], data.n_train, dm.graph), C)
-        assert g["ctx"].x.shape[1] == g["nbr"].x.shape[1] == dm.feature_dim
+        assert g["ctx"].x.shape[1] == dm.node_features().dim == dm.feature_dim
+        assert "x" not in g["nbr"]              # read by position where the model runs
     assert unmasked > 0
     shares = results["gnn_leakage"]
     assert set(shares) == {"windows_replaced", "nodes_dropped"}
