@@ -246,6 +246,23 @@ def leaks(graph, C: int) -> int:
     return int((reachable_ctx(graph, hops=3) & read).sum())
 
 
+def test_window_features_read_on_a_device_are_the_host_decoders_bits(workdir):
+    """GNN-LM's window-node features as a GPU reads them (the slice's PQ codes and codebooks
+    copied to the device, one gather; the CPU stands in for the GPU here) are the host
+    decoder's, bit for bit, at every train position, and they reconstruct the stored features
+    with the codec's recorded error."""
+    from gnnlm.gnn.pq import PQFeatures
+
+    wd = Workdir(workdir)
+    pq = PQFeatures(wd.pq("final"))
+    positions = np.random.default_rng(0).permutation(len(pq.codes))
+    decoded = pq.on_device(torch.device("cpu"))(torch.from_numpy(positions)).numpy()
+    np.testing.assert_array_equal(decoded, pq(positions))
+    stored = np.asarray(open_features(wd.features("train"))[1]["final"], dtype=np.float32)
+    error = ((decoded - stored[positions]) ** 2).sum() / (stored ** 2).sum()
+    assert error == pytest.approx(pq.manifest["relative_reconstruction_error"], rel=0.1)
+
+
 @pytest.mark.parametrize("inter", ["window", "retrieved"])
 def test_no_node_of_a_train_graph_has_read_a_target_it_reaches(workdir, results, inter):
     """The leakage property on real WikiText-2 train graphs, checked by reachability through
