@@ -61,9 +61,8 @@ class WindowStates:
     """
 
     def __init__(self, stack: GNNStack, node_features: HostFeatures | NodeFeatureReader,
-                 n_train: int,
-                 config: GraphConfig | GraphLayout, max_windows: Optional[int] = None,
-                 windows_per_step: int = 16384):
+                 n_train: int, config: GraphConfig | GraphLayout,
+                 max_windows: Optional[int] = None, windows_per_step: int = 16384):
         if stack.kind != "gnnlm":
             raise ValueError(f"window states are GNNLMConv layers' (got kind={stack.kind!r}).")
         self.stack, self.n_train = stack, n_train
