@@ -19,14 +19,13 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
-    """PQ codes (and, with a rotation, OPQ codes) of low-rank features, and the features."""
-    x = low_rank()
-    wd = workdir_with_features(tmp_path_factory.mktemp("node_features"), x)
+    """PQ codes (``final``) and OPQ codes (``att``) of low-rank features."""
+    wd = workdir_with_features(tmp_path_factory.mktemp("node_features"), low_rank())
     before = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)
     try:
-        build_pq(wd, "final", PQConfig(m=2, opq=False, train_sample=2000, chunk=1000))
-        build_pq(wd, "att", PQConfig(m=2, opq=True, train_sample=2000, chunk=1000))
+        for key, opq in (("final", False), ("att", True)):
+            build_pq(wd, key, PQConfig(m=2, opq=opq, train_sample=2000, chunk=1000))
     finally:
         faiss.omp_set_num_threads(before)
     return wd

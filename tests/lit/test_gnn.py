@@ -82,63 +82,46 @@ def test_the_loss_is_the_token_nll_of_the_frozen_softmax():
         torch.testing.assert_close(start(batch), base_lm_logits(batch["ctx"].x, model))
 
 
-def test_evaluation_blocks_that_name_their_windows_score_as_the_graphs_with_them():
-    """``eval_windows="once"``: each retrieved window is computed from the attached node
-    features; the logits are those of the same blocks built with their window nodes."""
+@pytest.mark.parametrize("named_by, impl", [("ctx.retrieved", "dense"),
+                                            ("nbr.train_pos", "dense"),
+                                            ("nbr.train_pos", "pyg")])
+def test_windows_named_by_position_score_as_the_graphs_with_their_features(named_by, impl):
+    """Windows named by train position read the attached node features, and the logits are
+    those of the same blocks built with their window features: evaluation blocks without
+    window nodes (``ctx.retrieved``, ``eval_windows="once"``: each window computed once) and
+    train graphs as the data module builds them (``nbr.train_pos`` and no ``x``: the same
+    computation, so the same bits). Without node features the model says what to attach."""
     cfg = GraphConfig(left=1, right=1, k=3)
     n_train = 200
     rng = np.random.default_rng(0)
     table = rng.standard_normal((n_train, D_MODEL)).astype(np.float32)
-    with_windows, named = [], []
+    leakage = 8 if named_by == "nbr.train_pos" else None
+    with_features, named = [], []
     for start, T in ((100, 7), (150, 4)):
+        positions = np.arange(start, start + T)
         ids = rng.integers(0, n_train, (T, 5))
         ids[rng.random((T, 5)) < 0.2] = -1
         ctx = torch.from_numpy(rng.standard_normal((T, D_MODEL)).astype(np.float32))
-        full = build_graph(np.arange(start, start + T), ids, n_train, cfg)
+        full = build_graph(positions, ids, n_train, cfg, leakage)
         full["nbr"].x = torch.from_numpy(table[full["nbr"].train_pos.numpy()])
-        names = build_context_graph(np.arange(start, start + T), ids, n_train, cfg)
+        names = (build_graph(positions, ids, n_train, cfg, leakage) if leakage
+                 else build_context_graph(positions, ids, n_train, cfg))
         for graph in (full, names):
             graph["ctx"].x = ctx
-        with_windows.append(full)
+        with_features.append(full)
         named.append(names)
-    model = _model("dense", cfg).eval()
+    model = _model(impl, cfg).eval()
     randomise(model.gnn)
     with pytest.raises(RuntimeError, match="attach_node_features"):
         model(Batch.from_data_list(named))
     model.attach_node_features(lambda positions: table[positions], n_train)
     with torch.no_grad():
-        want = model(Batch.from_data_list(with_windows))
+        want = model(Batch.from_data_list(with_features))
         got = model(Batch.from_data_list(named))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("impl", ["dense", "pyg"])
-def test_window_nodes_named_by_position_read_the_attached_features(impl):
-    """Train graphs as the data module builds them (``nbr.train_pos``, no ``x``): the model
-    reads each window node's feature by position, giving the logits of the same graphs with
-    their features set, and says what to attach when it has none."""
-    cfg = GraphConfig(left=1, right=1, k=3)
-    n_train = 200
-    rng = np.random.default_rng(1)
-    table = rng.standard_normal((n_train, D_MODEL)).astype(np.float32)
-    given, named = [], []
-    for start, T in ((100, 7), (150, 4)):
-        ids = rng.integers(0, n_train, (T, 5))
-        ctx = torch.from_numpy(rng.standard_normal((T, D_MODEL)).astype(np.float32))
-        for graphs in (given, named):
-            graph = build_graph(np.arange(start, start + T), ids, n_train, cfg, 8)
-            graph["ctx"].x = ctx
-            graphs.append(graph)
-        given[-1]["nbr"].x = torch.from_numpy(table[given[-1]["nbr"].train_pos.numpy()])
-    model = _model(impl, cfg).eval()
-    randomise(model.gnn)
-    with pytest.raises(RuntimeError, match=r"attach_node_features\(data.node_features\(\)"):
-        model(Batch.from_data_list(named))
-    model.attach_node_features(lambda positions: table[positions], n_train)
-    with torch.no_grad():
-        want = model(Batch.from_data_list(given))
-        got = model(Batch.from_data_list(named))
-    assert torch.equal(got, want)
+    if leakage:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_dense_path_needs_the_graph_layout_and_dense_needs_gnnlm_layers():
