@@ -3,10 +3,10 @@
 A window node's feature is the train datastore's feature at its position (§2.2), stored as PQ
 codes or float16 (``gnnlm.gnn.pq``). At the paper's shape a train batch is large: 8 blocks of
 128 targets, k = 128 windows of 3 nodes each, so 393,216 window nodes, 805 MB of float32 at
-d = 512. Decoded in DataLoader workers, each batch is a numpy table lookup (about 0.34M vectors
-per second per core) and then three copies (into shared memory, into pinned memory, onto the
-GPU), which the GPU waits for. So the graphs carry only each window node's train position
-(``nbr.train_pos``, 8 bytes) and the model reads the features where it runs:
+d = 512. Decoded in a DataLoader worker, such a batch took about a second of one CPU core
+(``benchmarks/bench_gnn_loader.py``), then three copies (into shared memory, into pinned
+memory, onto the GPU), which the GPU waits for. So the graphs carry only each window node's
+train position (``nbr.train_pos``, 8 bytes) and the model reads the features where it runs:
 
 - on a GPU, from tables resident there: the PQ codes (64 bytes per position, 134 MB for
   WikiText-2's 2.1M) and codebooks, or the float16 features; a decode is one gather;
