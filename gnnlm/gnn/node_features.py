@@ -20,7 +20,7 @@ whose rounding depends on the device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -69,16 +69,26 @@ def free_memory(device: torch.device) -> Optional[int]:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
+@runtime_checkable
+class CopiesToDevice(Protocol):
+    """Host features that can be placed on a device (``PQFeatures``, ``RawFeatures``)."""
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+    def on_device(self, device: torch.device) -> Callable[[Tensor], Tensor]: ...
+
+
 class NodeFeatureReader:
     """Train positions (a tensor on any device) → their features on that device (float32; a
     host function's own dtype, such as a float64 reference's, is kept).
 
     Args:
         features: the host features, a function of a position array giving an array [n, d].
-            One that also has ``resident_bytes`` and ``on_device(device)`` (a function of
-            positions on that device: ``gnnlm.gnn.pq.PQFeatures``, ``RawFeatures``) is copied
-            to a GPU the first time the GPU reads it, when it fits in half its free memory;
-            any other is read on the host, then copied.
+            One that also has ``resident_bytes`` and ``on_device(device)`` (``CopiesToDevice``:
+            ``gnnlm.gnn.pq.PQFeatures``, ``RawFeatures``) is copied to a GPU the first time the
+            GPU reads it, when it fits in half its free memory; any other is read on the host,
+            then copied.
     """
 
     def __init__(self, features: HostFeatures):
@@ -101,14 +111,12 @@ class NodeFeatureReader:
         return self._resident[device]
 
     def _copy_to(self, device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
-        on_device = getattr(self.host, "on_device", None)   # PQFeatures, RawFeatures
-        if on_device is None:
+        if not isinstance(self.host, CopiesToDevice):
             return None
-        nbytes = self.host.resident_bytes  # type: ignore[attr-defined]
-        free = free_memory(device)
+        nbytes, free = self.host.resident_bytes, free_memory(device)
         if free is not None and nbytes > free // 2:
             say(f"[gnnlm] GNN-LM node features: the train features ({nbytes / 2**30:.1f} GiB) "
                 f"do not fit in half of {device}'s free memory ({free / 2**30:.1f} GiB): they "
                 f"are decoded on the host and copied for each batch (slower)")
             return None
-        return on_device(device)
+        return self.host.on_device(device)
