@@ -25,6 +25,11 @@ GNN-LM of 3 layers and 8 heads over blocks of 128 targets):
   ``batch_mb_copied``);
 - ``gnn_eval``: GNN-LM's evaluation with each retrieved window computed once, against the base
   LM's evaluation of the same tokens (sliding windows, stride half the context).
+- ``pq_codebooks``: the PQ codec's codebooks (``pq.clustering: torch``): 64 sub-spaces of 8
+  dimensions of 65,536 features, 256 centroids each, faiss's 25 iterations;
+- ``knn_sweep``: one kNN-LM fit's (k, T, λ) grid (the table's: 8 k × 9 T × 20 λ) over a valid
+  cache of WikiText-2's size (217,646 tokens × 1,024 neighbours) on the device, against the
+  CPU's sweep of its first rows, and the largest relative gap between their perplexities.
 
 Keys are clustered random vectors, queries near them: how many queries a trained LM's features
 widen or send to a second screening is in the neighbours' manifests (``screen``), not here.
@@ -54,7 +59,8 @@ from gnnlm.models.encode import encode_windows
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.retrieval.exact import ExactSearch
 from gnnlm.retrieval.features import encode_into
-from gnnlm.retrieval.kmeans import kmeans
+from gnnlm.retrieval.kmeans import batched_kmeans, kmeans
+from gnnlm.retrieval.knn import DEFAULT_LAMBDAS, sweep
 from gnnlm.utils.devices import torch_device
 
 
@@ -76,14 +82,20 @@ class Shapes:
     graphs: int
     ks: tuple[int, ...]
     matmul: int
+    pq_points: int
+    valid_tokens: int
+    cache_ks: tuple[int, ...]
 
 
 TABLE = Shapes(keys=2_088_628, dim=512, queries=16_384, K=1_537, kmeans_points=163_840,
                lists=4_096, vocab=33_278, layers=6, heads=8, context=512, batch=32,
-               gnn_heads=8, block=128, graphs=8, ks=(32, 128), matmul=8192)
+               gnn_heads=8, block=128, graphs=8, ks=(32, 128), matmul=8192, pq_points=65_536,
+               valid_tokens=217_646, cache_ks=(8, 16, 32, 64, 128, 256, 512, 1024))
 SMALL = Shapes(keys=20_000, dim=64, queries=512, K=80, kmeans_points=8_192, lists=64,
                vocab=2_000, layers=2, heads=2, context=64, batch=8, gnn_heads=4, block=32,
-               graphs=2, ks=(4, 8), matmul=256)
+               graphs=2, ks=(4, 8), matmul=256, pq_points=2_048, valid_tokens=8_192,
+               cache_ks=(8, 16, 32, 64))
+TEMPERATURES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # the table's (cos)
 
 
 def sync(device: torch.device) -> None:
@@ -384,6 +396,39 @@ def gnn(s: Shapes, device: torch.device, base_eval_tokens_per_s: float) -> dict:
     return out
 
 
+# -- host stages on the device --------------------------------------------------------------
+def pq_codebooks(s: Shapes, device: torch.device) -> dict:
+    """The PQ codec's training as ``pq.clustering: torch`` runs it (``gnnlm.gnn.pq``)."""
+    m = s.dim // 8
+    x = clustered(s.pq_points, s.dim, device, seed=3).float()
+    subspaces = x.view(len(x), m, 8).transpose(0, 1).contiguous()             # [m, n, 8]
+    seconds = timed(lambda: batched_kmeans(subspaces, 256, 25, seed=1234), device, repeat=1)
+    return {"pq_codebooks": {"seconds": seconds, "subspaces": m, "points": s.pq_points}}
+
+
+def knn_sweep(s: Shapes, device: torch.device) -> dict:
+    """One fit's grid over a valid cache of the table's size (scores sorted as a search returns
+    them, 5% of the neighbours hits), on the device and on the CPU (its first rows)."""
+    n, K = s.valid_tokens, s.cache_ks[-1]
+    gen = torch.Generator(device=device).manual_seed(4)
+    cache = {"sims": torch.rand(n, K, device=device, generator=gen).sort(
+                 dim=1, descending=True).values.cpu().numpy(),
+             "hits": (torch.rand(n, K, device=device, generator=gen) < 0.05).cpu().numpy(),
+             "lm_logprob": (-5 * torch.rand(n, device=device, generator=gen)).cpu().numpy()}
+    grid = (list(s.cache_ks), list(TEMPERATURES), DEFAULT_LAMBDAS)
+    seconds = timed(lambda: sweep(cache, *grid, device=device), device, repeat=1)
+    rows = min(n, 16_384)
+    head = {name: array[:rows] for name, array in cache.items()}
+    t0 = time.perf_counter()
+    on_cpu = sweep(head, *grid, device="cpu")
+    cpu_seconds = (time.perf_counter() - t0) * n / rows
+    gap = np.abs(sweep(head, *grid, device=device) / on_cpu - 1).max()
+    return {"knn_sweep": {"seconds": seconds, "tokens": n, "K": K,
+                          "points": len(grid[0]) * len(grid[1]) * len(grid[2]),
+                          "cpu_seconds_estimate": cpu_seconds, "cpu_rows_timed": rows,
+                          "max_relative_gap_to_cpu": float(gap)}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -418,6 +463,10 @@ def main(argv: list[str] | None = None) -> dict:
         record["base_lm_step_compiled"] = base_lm(shapes, device, True)["base_lm_step"]
         save()
     record.update(gnn(shapes, device, record["base_lm_eval"]["tokens_per_s"]))
+    save()
+    record.update(pq_codebooks(shapes, device))
+    save()
+    record.update(knn_sweep(shapes, device))
     lim = record["limits"]
     record["base_lm_step"]["share_of_bf16_matmul"] = (record["base_lm_step"]["tflops"]
                                                       / lim["bf16_matmul_tflops"])
@@ -463,6 +512,13 @@ def summary(r: dict) -> str:
     lines.append(f"GNN-LM evaluation (k = {g['k']}): {g['tokens_per_s']:,.0f} tokens/s, "
                  f"{g['time_vs_base_lm']:.2f}x the base LM's time "
                  f"({g['base_lm_eval_tokens_per_s']:,.0f} tokens/s)")
+    pq, sw = r["pq_codebooks"], r["knn_sweep"]
+    lines.append(f"PQ codebooks ({pq['subspaces']} sub-spaces of {pq['points']:,} features): "
+                 f"{pq['seconds']:.2f} s")
+    lines.append(f"kNN-LM fit ({sw['points']:,} points over {sw['tokens']:,} tokens x "
+                 f"{sw['K']:,}): {sw['seconds']:.2f} s, the CPU's about "
+                 f"{sw['cpu_seconds_estimate']:.2f} s; perplexities apart by at most "
+                 f"{sw['max_relative_gap_to_cpu']:.1e}")
     return "\n".join(lines)
 
 

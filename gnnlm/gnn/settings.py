@@ -101,12 +101,17 @@ class PQConfig:
         train_sample: features the codec is trained on (a seeded sample).
         seed: the seed of the training sample (the held-out sample takes ``seed + 1``).
         chunk: features encoded per resumable step.
+        clustering: what trains the codebooks' k-means: ``faiss`` (on the CPU), ``torch``
+            (``gnnlm.retrieval.kmeans`` on torch's device, faiss the rest), ``auto`` (torch when
+            torch sees a GPU; faiss for an OPQ codec, whose rotation and codebooks faiss trains
+            together). Not part of the fingerprint, as the device is not.
     """
     m: Optional[int] = None
     opq: bool = True
     train_sample: int = 65536
     seed: int = 0
     chunk: int = 262144
+    clustering: Literal["auto", "faiss", "torch"] = "auto"
 
     def __post_init__(self):
         if self.m is not None and self.m < 1:
@@ -115,3 +120,15 @@ class PQConfig:
         for name in ("train_sample", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"pq.{name} must be >= 1 (got {getattr(self, name)}).")
+        if self.clustering not in ("auto", "faiss", "torch"):
+            raise ValueError(f"pq.clustering must be 'auto', 'faiss' or 'torch' "
+                             f"(got {self.clustering!r}).")
+        if self.clustering == "torch" and self.opq:
+            raise ValueError("pq.clustering: torch trains the product quantizer's codebooks "
+                             "alone, but pq.opq: true learns a rotation with them, which faiss "
+                             "trains: set pq.opq: false, or pq.clustering: auto or faiss.")
+
+    def fingerprint_config(self) -> dict:
+        # What runs the k-means does not name the artifact, as the device does not (an index's
+        # ``clustering`` likewise); the manifest records it.
+        return {name: value for name, value in vars(self).items() if name != "clustering"}

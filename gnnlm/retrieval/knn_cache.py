@@ -22,12 +22,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.knn import CACHE_ARRAYS
-from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
+from gnnlm.retrieval.neighbors import neighbor_hits_on, open_neighbors
 from gnnlm.retrieval.search import exhaustive_index, rescore  # noqa: F401  (importable from here)
 from gnnlm.retrieval.settings import SCORES, check_scores  # noqa: F401  (importable from here)
+from gnnlm.utils.devices import torch_device
 from gnnlm.utils.metrics import check_finite, perplexity
 from gnnlm.workdir.builder import ArtifactBuilder
 from gnnlm.workdir.layout import Workdir
@@ -106,8 +108,10 @@ def build_knn_cache(workdir: Workdir, split: str, key: str, metric: str, scores:
         rebuild=rebuild)
     if builder.is_complete():
         return read_manifest(out_dir)
-    # The train targets are read at random positions: hold them in RAM (4 bytes per token).
-    train_targets = np.asarray(train["targets"], dtype=np.int64)       # [N_train]
+    # The train targets are read at random positions: hold them where the hits are gathered,
+    # the GPU when there is one (8 bytes per token)
+    train_targets = torch.from_numpy(np.asarray(train["targets"], dtype=np.int64)).to(
+        torch_device("auto"))                                          # [N_train]
     n_chunks = -(-n // chunk)
     t0 = time.perf_counter()
     with builder:
@@ -117,8 +121,8 @@ def build_knn_cache(workdir: Workdir, split: str, key: str, metric: str, scores:
         state = builder.progress
         for c in builder.chunks(n_chunks, f"kNN cache {split}", stop_after_chunks):
             rows = slice(c * chunk, min((c + 1) * chunk, n))
-            ids = np.asarray(nb["ids"][rows], dtype=np.int64)          # [b, K]
-            hits = neighbor_hits(ids, train_targets, query["targets"][rows])
+            ids = np.asarray(nb["ids"][rows])                         # [b, K]
+            hits = neighbor_hits_on(ids, train_targets, query["targets"][rows])
             hits_out[rows] = hits
             if scores == "faiss":
                 sims_out[rows] = nb["sims"][rows]

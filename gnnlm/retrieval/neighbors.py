@@ -310,6 +310,19 @@ def neighbor_hits(ids: np.ndarray, train_targets: np.ndarray, targets: np.ndarra
     return (values == np.asarray(targets, dtype=np.int64)[:, None]) & (values >= 0)
 
 
+def neighbor_hits_on(ids: np.ndarray, train_targets: torch.Tensor,
+                     targets: np.ndarray) -> np.ndarray:
+    """``neighbor_hits`` gathered on ``train_targets``' device: the same booleans. numpy gathers
+    on one core, which for a WikiText-2 split at K = 1,024 (222M random reads) takes seconds;
+    torch gathers on every core, or on the GPU."""
+    device = train_targets.device
+    # a memmap's rows are read-only, which torch will not wrap: those are copied
+    ids_t = torch.from_numpy(np.require(ids, requirements=("C", "W"))).to(device, torch.int64)
+    values = torch.where(ids_t >= 0, train_targets[ids_t.clamp(min=0)], -1)
+    targets_t = torch.from_numpy(np.asarray(targets, dtype=np.int64)).to(device)
+    return ((values == targets_t[:, None]) & (values >= 0)).cpu().numpy()
+
+
 def open_neighbors(path: str | Path) -> tuple[dict, dict]:
     """``(manifest, {"ids": memmap [N, K], "sims": memmap [N, K]})`` of a neighbours folder
     (``workdir.neighbors(key, metric, split)``)."""

@@ -2,12 +2,14 @@
 the decoders that DataLoader workers receive by pickling."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import shutil
 
 import faiss
 import numpy as np
 import pytest
+import torch
 
 from gnnlm.gnn.pq import (
     PQConfig,
@@ -15,9 +17,12 @@ from gnnlm.gnn.pq import (
     RawFeatures,
     _sample,
     build_pq,
+    clustering_of,
     codec_factory,
     held_out_sample,
+    train_codebooks,
 )
+from gnnlm.retrieval.kmeans import batched_kmeans
 from gnnlm.workdir.layout import Workdir
 from gnnlm.workdir.manifests import open_array, read_manifest
 from gnnlm.workdir.refusals import ArtifactError
@@ -189,7 +194,8 @@ def test_the_log_accounts_for_the_codec_training(tmp_path, monkeypatch, capsys):
     wd = workdir_with_features(tmp_path, low_rank())
     manifest = build_pq(wd, "final", CFG)
     lines = [line.strip() for line in capsys.readouterr().err.splitlines()]
-    start = lines.index("PQ codec final: training PQ2x8np on 2000 of 3000 features")
+    start = lines.index("PQ codec final: training PQ2x8np on 2000 of 3000 features "
+                        "(k-means: faiss)")
     trained = next(i for i, line in enumerate(lines) if line.startswith("PQ codec final: "
                                                                          "trained in "))
     codes = next(i for i, line in enumerate(lines) if line.startswith("PQ codes final: 3/3"))
@@ -213,6 +219,48 @@ def test_the_numpy_decoder_is_faiss_s(tmp_path, opq):
         np.testing.assert_allclose(decoded, codec.sa_decode(codes), rtol=1e-5, atol=1e-5)
     else:
         np.testing.assert_array_equal(decoded, codec.sa_decode(codes))
+
+
+def test_torch_s_k_means_trains_the_codebooks_faiss_encodes_with(built, tmp_path):
+    """``pq.clustering: torch`` (what a GPU runs): the codec's codebooks are torch's k-means of
+    each sub-space of the same sample, with faiss's iterations and seed, in faiss's layout; faiss
+    encodes with them, and they reconstruct the held-out rows as well as faiss's k-means does."""
+    wd, x, by_faiss = built
+    other = workdir_with_features(tmp_path, x)
+    manifest = build_pq(other, "final", dataclasses.replace(CFG, clustering="torch"))
+    assert (manifest["clustering"], by_faiss["clustering"]) == ("torch", "faiss")
+    assert manifest["config"] == by_faiss["config"]          # what ran it names nothing
+    codec = faiss.read_index(str(other.pq("final") / "codec.faiss"))
+    sample = x.astype(np.float16).astype(np.float32)[_sample(N, CFG.train_sample, CFG.seed)]
+    subspaces = torch.from_numpy(sample).view(len(sample), 2, D // 2).transpose(0, 1)
+    expected = batched_kmeans(subspaces.contiguous(), 256, codec.pq.cp.niter,
+                              seed=codec.pq.cp.seed)
+    np.testing.assert_array_equal(
+        faiss.vector_to_array(codec.pq.centroids).reshape(2, 256, D // 2), expected.numpy())
+    codes = np.ascontiguousarray(open_array(other.pq("final"), "codes"))
+    np.testing.assert_array_equal(codes, codec.sa_encode(x.astype(np.float16).astype(
+        np.float32)))
+    error, faiss_error = (m["relative_reconstruction_error"] for m in (manifest, by_faiss))
+    assert 0 < error < 1.25 * faiss_error, (error, faiss_error)
+
+
+def test_what_trains_the_codebooks(monkeypatch):
+    assert clustering_of(PQConfig(opq=False)) == "faiss"                 # no GPU here
+    assert clustering_of(PQConfig(opq=False, clustering="torch")) == "torch"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert clustering_of(PQConfig(opq=False)) == "torch"
+    assert clustering_of(PQConfig(opq=True)) == "faiss"           # OPQ: faiss trains it whole
+    assert clustering_of(PQConfig(opq=False, clustering="faiss")) == "faiss"
+    with pytest.raises(ValueError, match=r"pq.clustering must be 'auto', 'faiss' or 'torch' "
+                                         r"\(got 'gpu'\)"):
+        PQConfig(clustering="gpu")
+    with pytest.raises(ValueError, match=r"pq.opq: true learns a rotation .* set pq.opq: "
+                                         r"false, or pq.clustering: auto or faiss"):
+        PQConfig(opq=True, clustering="torch")
+    with pytest.raises(ValueError, match=r"8-bit PQ codecs, not IndexPreTransform: let "
+                                         r"faiss train it \(pq.clustering: faiss\)"):
+        train_codebooks(faiss.index_factory(D, "OPQ4,PQ4x8np"), low_rank(n=300),
+                        torch.device("cpu"))
 
 
 FORKED_DECODE = """

@@ -263,6 +263,25 @@ def test_window_features_read_on_a_device_are_the_host_decoders_bits(workdir):
     assert error == pytest.approx(pq.manifest["relative_reconstruction_error"], rel=0.1)
 
 
+def test_pq_codebooks_trained_by_torch_reconstruct_the_slice_as_faiss_s_do(workdir, tmp_path):
+    """``pq.clustering: torch`` (a GPU's k-means of the codebooks; faiss encodes) on the slice's
+    train features: its codec reconstructs the held-out features with the error of faiss's own
+    k-means on the same sample, within 10%."""
+    from gnnlm.gnn.pq import PQConfig, build_pq
+
+    errors = {}
+    for clustering in ("faiss", "torch"):
+        wd = Workdir(tmp_path / clustering)
+        wd.features("train").parent.mkdir(parents=True)
+        wd.features("train").symlink_to(Workdir(workdir).features("train"))
+        manifest = build_pq(wd, "final", PQConfig(m=16, opq=False, train_sample=16384,
+                                                  clustering=clustering))
+        assert manifest["clustering"] == clustering and manifest["held_out"] == 8192
+        errors[clustering] = manifest["relative_reconstruction_error"]
+    assert 0 < errors["torch"] < 0.5
+    assert errors["torch"] == pytest.approx(errors["faiss"], rel=0.1)
+
+
 @pytest.mark.parametrize("inter", ["window", "retrieved"])
 def test_no_node_of_a_train_graph_has_read_a_target_it_reaches(workdir, results, inter):
     """The leakage property on real WikiText-2 train graphs, checked by reachability through

@@ -124,6 +124,20 @@ def test_sweep_equals_pointwise_and_fit_picks_minimum():
     assert math.exp(-per_token.astype(np.float64).mean()) == pytest.approx(best["ppl"], rel=1e-5)
 
 
+def test_a_gpu_s_larger_blocks_give_the_same_grid(monkeypatch):
+    """A GPU sweeps blocks 16 times larger (``_GPU_BLOCK``): the grid is the same up to the
+    order of the float64 sums (the CPU stands in for the GPU's block size here)."""
+    from gnnlm.retrieval import knn
+
+    cache = random_cache(n=3000, K=2048, seed=5)
+    grid = [1, 8, 64, 2048], [0.1, 1.0], [0.0, 0.3, 0.9]
+    small = sweep(cache, *grid, device="cpu")
+    assert knn._row_step(2048) < 3000                    # several blocks...
+    monkeypatch.setattr(knn, "_CPU_BLOCK", knn._GPU_BLOCK)
+    assert knn._row_step(2048, knn._CPU_BLOCK) > 3000    # ...against one
+    np.testing.assert_allclose(sweep(cache, *grid, device="cpu"), small, rtol=1e-6)
+
+
 def test_sweep_is_exact_where_float32_weights_underflow():
     # Hits 200 and 120 below the best score: exp underflows in float32, the answer must not.
     sims = np.array([[0.0, -200.0, -300.0], [-5.0, -125.0, -np.inf]], dtype=np.float32)

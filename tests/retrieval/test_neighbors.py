@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from gnnlm.retrieval.index import IndexConfig, build_index
 from gnnlm.retrieval.neighbors import (
@@ -10,6 +11,7 @@ from gnnlm.retrieval.neighbors import (
     build_neighbors,
     mask_leakage,
     neighbor_hits,
+    neighbor_hits_on,
     neighbor_values,
     open_neighbors,
 )
@@ -264,3 +266,17 @@ def test_neighbor_values_and_hits():
     assert not neighbor_hits(np.array([[-1]]), train_targets, np.array([-1])).any()
     # any leading shape: values of [B, T, K] ids
     np.testing.assert_array_equal(neighbor_values(ids[None], train_targets)[0], values)
+
+
+def test_hits_gathered_by_torch_are_numpy_s():
+    """The kNN cache gathers its hits with torch (every core, or the GPU): the same booleans as
+    ``neighbor_hits``, -1 ids included, from int32 ids as the neighbours file stores them."""
+    rng = np.random.default_rng(0)
+    train_targets = rng.integers(0, 50, 1000)
+    ids = rng.integers(-1, 1000, (300, 64)).astype(np.int32)
+    ids[:3] = -1                                          # rows with no neighbour at all
+    targets = rng.integers(-1, 50, 300)                   # -1: a padding target never hits
+    expected = neighbor_hits(ids, train_targets, targets)
+    assert 0 < expected.sum() < expected.size
+    np.testing.assert_array_equal(
+        neighbor_hits_on(ids, torch.from_numpy(train_targets), targets), expected)
