@@ -567,17 +567,24 @@ class ExactSearch:
                 best[j] = _merged(*best[j], s, i, k)
         return torch.cat([s for s, _ in best]), torch.cat([i for _, i in best])
 
-    @torch.no_grad()
     def search(self, queries: Any, k: int, margin: Optional[int] = None
                ) -> tuple[np.ndarray, np.ndarray]:
         """``(sims float32 [n, k], ids int64 [n, k])``, best first; beyond the datastore's
         size, id -1 and similarity -inf."""
+        sims, ids = self.search_tensors(queries, k, margin)
+        return sims.cpu().numpy(), ids.cpu().numpy()
+
+    @torch.no_grad()
+    def search_tensors(self, queries: Any, k: int, margin: Optional[int] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``search``'s result on the search's device, for work that continues there (the
+        neighbours' leakage mask)."""
         if k < 1:
             raise ValueError(f"k must be >= 1 (got {k}).")
         q = self._queries(queries)
         n, kk = q.shape[0], min(k, self.n)
-        sims = np.full((n, k), -np.inf, dtype=np.float32)
-        ids = np.full((n, k), -1, dtype=np.int64)
+        sims = torch.full((n, k), -math.inf, device=self.device)
+        ids = torch.full((n, k), -1, dtype=torch.int64, device=self.device)
         if n == 0:
             return sims, ids
         width = min(self.n, kk + (default_margin(kk, self.screen) if margin is None
@@ -596,6 +603,6 @@ class ExactSearch:
             if len(todo):
                 self.stats["exhaustive"] += len(todo)
                 top_s[todo], top_i[todo] = self._exhaustive(q[todo], kk)
-        sims[:, :kk] = top_s.cpu().numpy()
-        ids[:, :kk] = top_i.cpu().numpy()
+        sims[:, :kk] = top_s
+        ids[:, :kk] = top_i
         return sims, ids

@@ -31,6 +31,7 @@ over every GPU of one process (``gnnlm.retrieval.multi_gpu``).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,11 +55,16 @@ from gnnlm.workdir.ranks import Rank, run_on_ranks
 from gnnlm.workdir.refusals import ArtifactError, check_inputs
 from gnnlm.workdir.shards import ShardedJob, totals
 
+# what the leakage mask counts: candidates searched and dropped, in all and in the top K
+COUNTS = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
 
-def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, window: int, K: int
-                 ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+
+def mask_leakage(sims: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, window: int,
+                 K: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
     """Drop candidates p with t ≤ p ≤ t + window (they have read the target t) and keep the
-    first K others, order preserved.
+    first K others, order preserved, on the tensors' device (the search's: on a GPU the
+    candidates never go to the host, where numpy took 62-65 ms per 2,048 train queries at the
+    table's width, 1,537).
 
     ``sims``/``ids`` [n, width] best first, ``positions`` [n] the query positions t.
     Returns ``(sims [n, K], ids [n, K], counts)``; missing slots are -1 / -inf.
@@ -67,17 +73,14 @@ def mask_leakage(sims: np.ndarray, ids: np.ndarray, positions: np.ndarray, windo
     ahead = ids - positions[:, None]                                   # [n, width]
     masked = valid & (ahead >= 0) & (ahead <= window)
     keep = valid & ~masked
-    # A stable sort of "not kept" moves kept candidates to the front in their search order.
-    order = np.argsort(~keep, axis=1, kind="stable")[:, :K]            # [n, K]
-    out_ids = np.take_along_axis(ids, order, axis=1)
-    out_sims = np.take_along_axis(sims, order, axis=1)
-    kept = np.take_along_axis(keep, order, axis=1)
-    out_ids[~kept] = -1
-    out_sims[~kept] = -np.inf
-    counts = {"retrieved": int(valid.sum()), "dropped": int(masked.sum()),
-              "retrieved_top_k": int(valid[:, :K].sum()),
-              "dropped_top_k": int(masked[:, :K].sum())}
-    return out_sims, out_ids, counts
+    # a kept candidate's slot is the number kept before it; the rest (and slots beyond K) go
+    # to a spare column K, which is cut off
+    slot = torch.where(keep, keep.cumsum(dim=1) - 1, K).clamp_(max=K)  # [n, width]
+    out_ids = ids.new_full((len(ids), K + 1), -1).scatter_(1, slot, ids)[:, :K]
+    out_sims = sims.new_full((len(sims), K + 1), -math.inf).scatter_(1, slot, sims)[:, :K]
+    counts = torch.stack([valid.sum(), masked.sum(), valid[:, :K].sum(),
+                          masked[:, :K].sum()]).tolist()
+    return out_sims, out_ids, dict(zip(COUNTS, counts))
 
 
 def build_neighbors(workdir: Workdir, split: str, key: str, metric: str,
@@ -173,7 +176,6 @@ def _made_with_the_index_listed(job: NeighborsJob) -> dict | None:
     return found
 
 
-COUNTS = ("retrieved", "dropped", "retrieved_top_k", "dropped_top_k")
 SCREEN_COUNTS = ("widened", "rescreened", "exhaustive")
 
 
@@ -253,17 +255,17 @@ class NeighborsJob(ShardedJob):
             stop = min((chunk + 1) * size, self.n)
             for start in range(chunk * size, stop, batch):
                 end = min(start + batch, stop)
-                sims, ids = searcher.search(np.asarray(queries[start:end], dtype=np.float32),
-                                            self.width)                # [b, width]
+                sims, ids = searcher.search_tensors(
+                    np.asarray(queries[start:end], dtype=np.float32), self.width)  # [b, width]
                 if self.masked and self.window > 0:
-                    positions = np.arange(start, end, dtype=np.int64)
+                    positions = torch.arange(start, end, device=ids.device)
                     sims, ids, c = mask_leakage(sims, ids, positions, self.window, K)
                     for name in COUNTS:
                         stats[name] = stats.get(name, 0) + c[name]
                 else:
                     sims, ids = sims[:, :K], ids[:, :K]
-                arrays["ids"][start:end] = ids
-                arrays["sims"][start:end] = sims
+                arrays["ids"][start:end] = ids.cpu().numpy()
+                arrays["sims"][start:end] = sims.cpu().numpy()
             if exact is not None:  # queries screened in each precision; widened; again;
                 # against every key
                 for name in SCREEN_COUNTS:

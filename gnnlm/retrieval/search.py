@@ -220,13 +220,25 @@ class Searcher:
             raise ValueError(f"k must be between 1 and the datastore size {self.ntotal} "
                              f"(got {k}): lower k (neighbors.K) or build a larger datastore.")
 
+    def search_tensors(self, queries: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``search``'s ``(sims, ids)`` as tensors: on the GPU that exact search ran on, where
+        the caller's next step can run too; an index's on the CPU."""
+        if self.index is None:
+            self.check(queries, k)
+            return self._exact().search_tensors(queries, k)
+        sims, ids = self.search(queries, k)
+        return torch.from_numpy(sims), torch.from_numpy(ids)
+
+    def _exact(self) -> ExactSearch:
+        if self.exact_search is None:
+            self.exact_search = ExactSearch(self.keys, self.metric, self.device,
+                                            chunk=self.chunk)
+        return self.exact_search
+
     def search(self, queries: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
         self.check(queries, k)
         if self.index is None:
-            if self.exact_search is None:
-                self.exact_search = ExactSearch(self.keys, self.metric, self.device,
-                                                chunk=self.chunk)
-            return self.exact_search.search(queries, k)
+            return self._exact().search(queries, k)
         if self.metric == "cos":  # a copy: never normalise the caller's array in place
             q = normalize_rows(np.array(queries, dtype=np.float32, copy=True, order="C"))
         else:

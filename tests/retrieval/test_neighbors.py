@@ -245,13 +245,48 @@ def test_index_over_other_train_features_is_refused(store, tmp_path):
 
 
 def test_mask_leakage_keeps_order_and_pads():
-    ids = np.array([[5, 6, 9, 1, -1], [0, 1, 2, 3, 4]])
-    sims = np.array([[5., 4., 3., 2., -np.inf], [5., 4., 3., 2., 1.]], dtype=np.float32)
+    ids = torch.tensor([[5, 6, 9, 1, -1], [0, 1, 2, 3, 4]])
+    sims = torch.tensor([[5., 4., 3., 2., -np.inf], [5., 4., 3., 2., 1.]])
     # t = 5, W = 2 drops 5 and 6 (5 <= p <= 7); t = 2 drops 2, 3, 4
-    out_sims, out_ids, counts = mask_leakage(sims, ids, np.array([5, 2]), 2, K=3)
+    out_sims, out_ids, counts = mask_leakage(sims, ids, torch.tensor([5, 2]), 2, K=3)
     np.testing.assert_array_equal(out_ids, [[9, 1, -1], [0, 1, -1]])
     np.testing.assert_array_equal(out_sims, [[3., 2., -np.inf], [5., 4., -np.inf]])
     assert counts == {"retrieved": 9, "dropped": 5, "retrieved_top_k": 6, "dropped_top_k": 3}
+
+
+def stable_sort_mask(sims, ids, positions, window, K):
+    """The leakage mask as a stable sort of "not kept" (what the neighbours used to run on the
+    host, in numpy): the reference."""
+    valid = ids >= 0
+    ahead = ids - positions[:, None]
+    keep = valid & ~((ahead >= 0) & (ahead <= window))
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :K]
+    out_ids = np.where(np.take_along_axis(keep, order, 1), np.take_along_axis(ids, order, 1), -1)
+    out_sims = np.where(np.take_along_axis(keep, order, 1), np.take_along_axis(sims, order, 1),
+                        -np.inf)
+    return out_sims, out_ids
+
+
+def test_mask_leakage_at_the_table_s_width_is_the_stable_sort_s():
+    """2,048 train queries searched K + W + 1 = 1,537 wide (K = 1,024, W = 512): the first K
+    kept candidates of each, bits and order as the reference selects them, rows left short of
+    K by invalid ids or by a crowded window included."""
+    rng = np.random.default_rng(0)
+    n, K, window = 2048, 1024, 512
+    positions = np.arange(100_000, 100_000 + n)
+    ids = rng.integers(0, 2_088_628, (n, K + window + 1))
+    ids[:, :5] = positions[:, None] + rng.integers(0, window + 1, (n, 5))  # itself and after
+    ids[:3, -700:] = -1                                        # a datastore smaller than wide
+    ids[5, :600] = positions[5] + np.arange(600) % (window + 1)   # more masked than W + 1
+    sims = -np.sort(rng.random(ids.shape, dtype=np.float32), axis=1)
+    sims[ids < 0] = -np.inf
+    out_sims, out_ids, counts = mask_leakage(torch.from_numpy(sims), torch.from_numpy(ids),
+                                             torch.from_numpy(positions), window, K)
+    ref_sims, ref_ids = stable_sort_mask(sims, ids, positions, window, K)
+    np.testing.assert_array_equal(out_ids.numpy(), ref_ids)
+    np.testing.assert_array_equal(out_sims.numpy(), ref_sims)
+    assert (out_ids[5] == -1).sum() > 0 and (out_ids[:3] == -1).all(1).sum() == 0
+    assert counts["dropped"] >= n * 5 and counts["retrieved"] == (ids >= 0).sum()
 
 
 def test_neighbor_values_and_hits():
