@@ -232,8 +232,8 @@ def sweep(cache: Mapping[str, Any], ks: Sequence[int], temperatures: Sequence[fl
     gives log p_kNN for every k at once, and every λ is scored in one broadcast. The blocks are
     computed on ``device`` (``auto``: the GPU when there is one; the sums in float64 there too):
     a WikiText-2 valid cache at K = 1,024 is 9 exp passes over 222M scores per grid, which a
-    CPU's cores take seconds for. A GPU's exp rounds otherwise than a CPU's, so the
-    perplexities agree to float32 rounding, not bit for bit.
+    CPU's cores take seconds for. A GPU's float32 exp rounds otherwise than a CPU's, so the
+    perplexities may differ from a CPU's in their last digits.
     """
     device = torch_device(device)
     arrays = _arrays(cache)
