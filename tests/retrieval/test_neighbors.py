@@ -285,7 +285,7 @@ def test_mask_leakage_at_the_table_s_width_is_the_stable_sort_s():
     ref_sims, ref_ids = stable_sort_mask(sims, ids, positions, window, K)
     np.testing.assert_array_equal(out_ids.numpy(), ref_ids)
     np.testing.assert_array_equal(out_sims.numpy(), ref_sims)
-    assert (out_ids[5] == -1).sum() > 0 and (out_ids[:3] == -1).all(1).sum() == 0
+    assert (out_ids[:3] == -1).any(1).all() and (out_ids[5] == -1).any()  # both short cases
     assert counts["dropped"] >= n * 5 and counts["retrieved"] == (ids >= 0).sum()
 
 
