@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gnnlm.utils.devices import fits_resident
 from gnnlm.utils.progress import say
 
 # train positions [n] -> float32 [n, d]: ``PQFeatures``, ``RawFeatures`` or any such function
@@ -62,11 +63,6 @@ class ResidentRows:
 
     def __call__(self, positions: Tensor) -> Tensor:
         return self.values.index_select(0, positions).float()
-
-
-def free_memory(device: torch.device) -> Optional[int]:
-    """Bytes free on a CUDA device (None elsewhere: no limit is checked)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 @runtime_checkable
@@ -113,8 +109,9 @@ class NodeFeatureReader:
     def _copy_to(self, device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
         if not isinstance(self.host, CopiesToDevice):
             return None
-        nbytes, free = self.host.resident_bytes, free_memory(device)
-        if free is not None and nbytes > free // 2:
+        nbytes = self.host.resident_bytes
+        fits, free = fits_resident(device, nbytes)
+        if not fits:
             say(f"[gnnlm] GNN-LM node features: the train features ({nbytes / 2**30:.1f} GiB) "
                 f"do not fit in half of {device}'s free memory ({free / 2**30:.1f} GiB): they "
                 f"are decoded on the host and copied for each batch (slower)")

@@ -45,7 +45,7 @@ import torch
 from torch.nn import functional as F
 
 from gnnlm.retrieval.settings import check_metric
-from gnnlm.utils.devices import torch_device
+from gnnlm.utils.devices import fits_resident, torch_device
 from gnnlm.utils.progress import say
 
 SCREENS = ("auto", "float16", "float32")
@@ -220,8 +220,8 @@ class ExactSearch:
         itemsize = keys.element_size() if isinstance(keys, torch.Tensor) else keys.dtype.itemsize
         nbytes = int(keys.shape[0]) * int(keys.shape[1]) * itemsize
         table = int(keys.shape[0]) * int(keys.shape[1]) * 2 if self.screen == "float16" else 0
-        free, _ = torch.cuda.mem_get_info(self.device)
-        if nbytes + table <= free // 2:
+        fits, free = fits_resident(self.device, nbytes + table)
+        if fits:
             if isinstance(keys, torch.Tensor):
                 return keys.to(self.device)
             return torch.from_numpy(np.ascontiguousarray(keys)).to(self.device)

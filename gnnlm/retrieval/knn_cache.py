@@ -26,7 +26,7 @@ import torch
 
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.knn import CACHE_ARRAYS
-from gnnlm.retrieval.neighbors import neighbor_hits_on, open_neighbors
+from gnnlm.retrieval.neighbors import neighbor_hits, open_neighbors
 from gnnlm.retrieval.search import exhaustive_index, rescore  # noqa: F401  (importable from here)
 from gnnlm.retrieval.settings import SCORES, check_scores  # noqa: F401  (importable from here)
 from gnnlm.utils.devices import torch_device
@@ -122,7 +122,7 @@ def build_knn_cache(workdir: Workdir, split: str, key: str, metric: str, scores:
         for c in builder.chunks(n_chunks, f"kNN cache {split}", stop_after_chunks):
             rows = slice(c * chunk, min((c + 1) * chunk, n))
             ids = np.asarray(nb["ids"][rows])                         # [b, K]
-            hits = neighbor_hits_on(ids, train_targets, query["targets"][rows])
+            hits = neighbor_hits(ids, train_targets, query["targets"][rows])
             hits_out[rows] = hits
             if scores == "faiss":
                 sims_out[rows] = nb["sims"][rows]

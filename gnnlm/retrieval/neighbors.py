@@ -306,22 +306,20 @@ def neighbor_values(ids: np.ndarray, train_targets: np.ndarray) -> np.ndarray:
     return np.where(ids >= 0, np.asarray(train_targets)[np.maximum(ids, 0)], -1)
 
 
-def neighbor_hits(ids: np.ndarray, train_targets: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """Bool [n, K]: does neighbour i's value equal the query's target (False where id is -1)."""
-    values = neighbor_values(ids, train_targets)
-    return (values == np.asarray(targets, dtype=np.int64)[:, None]) & (values >= 0)
-
-
-def neighbor_hits_on(ids: np.ndarray, train_targets: torch.Tensor,
-                     targets: np.ndarray) -> np.ndarray:
-    """``neighbor_hits`` gathered on ``train_targets``' device: the same booleans. numpy gathers
-    on one core, which for a WikiText-2 split at K = 1,024 (222M random reads) takes seconds;
-    torch gathers on every core, or on the GPU."""
-    device = train_targets.device
-    # a memmap's rows are read-only, which torch will not wrap: those are copied
-    ids_t = torch.from_numpy(np.require(ids, requirements=("C", "W"))).to(device, torch.int64)
-    values = torch.where(ids_t >= 0, train_targets[ids_t.clamp(min=0)], -1)
-    targets_t = torch.from_numpy(np.asarray(targets, dtype=np.int64)).to(device)
+def neighbor_hits(ids: np.ndarray, train_targets: np.ndarray | torch.Tensor,
+                  targets: np.ndarray) -> np.ndarray:
+    """Bool [n, K]: does neighbour i's value equal the query's target (False where id is -1).
+    Train targets held as a tensor are gathered by torch on its device, every core or the GPU:
+    numpy gathers on one core, which for a WikiText-2 split at K = 1,024 (222M random reads)
+    takes seconds."""
+    if isinstance(train_targets, torch.Tensor):
+        # a memmap's rows are read-only, which torch will not wrap: those are copied
+        ids_t = torch.from_numpy(np.require(ids, requirements=("C", "W"))).to(
+            train_targets.device, torch.int64)
+        values = torch.where(ids_t >= 0, train_targets[ids_t.clamp(min=0)], -1)
+    else:
+        values = torch.from_numpy(neighbor_values(ids, train_targets))
+    targets_t = torch.from_numpy(np.asarray(targets, dtype=np.int64)).to(values.device)
     return ((values == targets_t[:, None]) & (values >= 0)).cpu().numpy()
 
 

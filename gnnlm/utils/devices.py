@@ -6,7 +6,7 @@ ask the machine.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
     import torch
@@ -84,6 +84,21 @@ def torch_device(device: str | torch.device = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def free_memory(device: torch.device) -> Optional[int]:
+    """Bytes free on a CUDA device (None elsewhere: no limit is checked)."""
+    import torch
+
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def fits_resident(device: torch.device, nbytes: int) -> tuple[bool, Optional[int]]:
+    """Whether ``nbytes`` may stay resident on ``device``, and its free bytes (None off CUDA).
+    On a GPU: when they fit in half its free memory, the other half being left to the work that
+    reads them (score blocks, activations); a host keeps its arrays where they are."""
+    free = free_memory(device)
+    return free is None or nbytes <= free // 2, free
 
 
 def pin_memory() -> bool:

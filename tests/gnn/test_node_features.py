@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.gnn import node_features
 from gnnlm.gnn.node_features import NodeFeatureReader, ResidentPQ, ResidentRows
 from gnnlm.gnn.pq import PQConfig, PQFeatures, RawFeatures, build_pq
+from gnnlm.utils import devices
 from tests.gnn.test_pq import D, N, low_rank, workdir_with_features
 
 pytestmark = pytest.mark.usefixtures("one_faiss_thread")
@@ -72,12 +72,12 @@ def test_a_device_without_room_reads_on_the_host_and_says_so_once(stored, monkey
     reader = NodeFeatureReader(host)
     nbytes = host.resident_bytes
     assert nbytes == N * 2 + host.centroids.nbytes            # 2 code bytes per position
-    monkeypatch.setattr(node_features, "free_memory", lambda device: 2 * nbytes - 1)
+    monkeypatch.setattr(devices, "free_memory", lambda device: 2 * nbytes - 1)
     assert reader._on(CPU) is None
     assert reader._on(CPU) is None                                # decided once per device
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "do not fit in half of cpu's free memory" in said[0]
-    monkeypatch.setattr(node_features, "free_memory", lambda device: 2 * nbytes)
+    monkeypatch.setattr(devices, "free_memory", lambda device: 2 * nbytes)
     assert isinstance(NodeFeatureReader(host)._on(CPU), ResidentPQ)
     # a function of positions has no resident form: read on the host
     assert NodeFeatureReader(lambda q: np.zeros((len(q), D), np.float32))._on(CPU) is None

@@ -17,6 +17,7 @@ from gnnlm.retrieval.exact import (
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
 from gnnlm.retrieval.search import Searcher
+from gnnlm.utils import devices
 from gnnlm.workdir.layout import Workdir
 from gnnlm.workdir.manifests import read_manifest
 
@@ -210,7 +211,7 @@ def test_half_products_summed_in_half_precision_are_caught_and_screened_in_float
 def test_keys_too_large_for_the_gpu_stream_from_the_host_with_one_line(monkeypatch, capsys):
     keys = crowded_keys()[0][:300]
     search = ExactSearch(keys, "cos", screen="float16")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40_000, 80 << 30))
+    monkeypatch.setattr(devices, "free_memory", lambda device: 40_000)
     assert search._to_gpu(keys) is keys and search.screen == "float32"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stream from the host" in err[0] and "0.0 GiB" in err[0]

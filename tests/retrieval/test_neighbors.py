@@ -11,7 +11,6 @@ from gnnlm.retrieval.neighbors import (
     build_neighbors,
     mask_leakage,
     neighbor_hits,
-    neighbor_hits_on,
     neighbor_values,
     open_neighbors,
 )
@@ -303,15 +302,18 @@ def test_neighbor_values_and_hits():
     np.testing.assert_array_equal(neighbor_values(ids[None], train_targets)[0], values)
 
 
-def test_hits_gathered_by_torch_are_numpy_s():
-    """The kNN cache gathers its hits with torch (every core, or the GPU): the same booleans as
-    ``neighbor_hits``, -1 ids included, from int32 ids as the neighbours file stores them."""
+def test_hits_gathered_from_a_tensor_are_those_from_an_array():
+    """The kNN cache holds the train targets as a tensor (gathered by torch on every core, or
+    on the GPU), scoring as an array: the same booleans, -1 ids included, from int32 ids as the
+    neighbours file stores them."""
     rng = np.random.default_rng(0)
     train_targets = rng.integers(0, 50, 1000)
     ids = rng.integers(-1, 1000, (300, 64)).astype(np.int32)
     ids[:3] = -1                                          # rows with no neighbour at all
     targets = rng.integers(-1, 50, 300)                   # -1: a padding target never hits
-    expected = neighbor_hits(ids, train_targets, targets)
+    values = np.where(ids >= 0, train_targets[np.maximum(ids, 0)], -1)
+    expected = (values == targets[:, None]) & (values >= 0)
     assert 0 < expected.sum() < expected.size
+    np.testing.assert_array_equal(neighbor_hits(ids, train_targets, targets), expected)
     np.testing.assert_array_equal(
-        neighbor_hits_on(ids, torch.from_numpy(train_targets), targets), expected)
+        neighbor_hits(ids, torch.from_numpy(train_targets), targets), expected)
