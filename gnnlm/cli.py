@@ -10,7 +10,8 @@
 A failure prints one line, ``gnnlm <command>: error: <what was wrong and what to do>``, and
 exits with status 2; ``--debug`` (anywhere on the command line) shows the traceback instead.
 SIGTERM or SIGINT stops a command within seconds (``gnnlm.utils.stopping``): one line,
-``gnnlm pipeline: stopped by SIGTERM at <stage>; rerun to resume``, and status 143 (SIGINT: 130).
+``gnnlm pipeline: stopped by SIGTERM at <stage>; rerun to resume`` (``after <stage>`` between two
+stages), and status 143 (SIGINT: 130).
 """
 from __future__ import annotations
 

@@ -39,6 +39,10 @@ class StageTimes:
         token = _RUNNING.set(self)
         try:
             yield self
+        except Stopped as stop:  # between two stages (scoring what one built): after which
+            if stop.stage is None and self.stages:
+                stop.after = self.stages[-1]["stage"]
+            raise
         finally:
             _RUNNING.reset(token)
 

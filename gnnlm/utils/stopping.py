@@ -37,11 +37,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class Stopped(BaseException):
     """The run was told to stop by ``signum``; ``stage`` is where (the innermost timed stage
-    it passed through, ``gnnlm.pipeline.stage_times.timed``), None until known."""
+    it passed through, ``gnnlm.pipeline.stage_times.timed``), None until known; ``after``, for
+    a stop between two stages, the last one that ended."""
 
     def __init__(self, signum: int, stage: Optional[str] = None):
         super().__init__(signum, stage)
         self.signum, self.stage = int(signum), stage
+        self.after: Optional[str] = None
 
     @property
     def signal_name(self) -> str:
@@ -54,7 +56,9 @@ class Stopped(BaseException):
         return 128 + self.signum
 
     def __str__(self) -> str:
-        return f"stopped by {self.signal_name}" + (f" at {self.stage}" if self.stage else "")
+        where = (f" at {self.stage}" if self.stage else f" after {self.after}" if self.after
+                 else "")
+        return f"stopped by {self.signal_name}{where}"
 
 
 class _State:

@@ -41,6 +41,19 @@ def test_a_signal_raises_stopped_naming_the_innermost_stage_and_handlers_are_res
     assert stopping.received() is None  # nothing outlives the block
 
 
+def test_a_signal_between_two_stages_names_the_last_that_ended():
+    with pytest.raises(stopping.Stopped) as stop:
+        with stopping.handling_stop_signals(), StageTimes().running():
+            for stage in ("base_lm", "features"):
+                with timed(stage):
+                    pass
+            os.kill(os.getpid(), signal.SIGTERM)   # scoring what the features stage built
+            time.sleep(30)
+    assert stop.value.stage is None and stop.value.after == "features"
+    assert stop_line("pipeline", stop.value) == (
+        "gnnlm pipeline: stopped by SIGTERM after features; rerun to resume")
+
+
 def test_sigint_exits_130_and_a_deferred_block_ends_before_the_stop():
     steps = []
     with pytest.raises(stopping.Stopped) as stop:
@@ -269,7 +282,10 @@ def test_sigterm_during_a_sharded_chunked_stage_stops_its_ranks(stopped_runs):
 def test_a_resumed_chunked_stage_ends_with_the_bytes_of_an_uninterrupted_one(stopped_runs):
     for run in ("after", "reference"):
         code, _, last, text = stopped_runs[run]
-        assert code == 143 and last.startswith("gnnlm pipeline: stopped by SIGTERM at "), text
+        # sent once the features stage ended: in the next stage, or still between the two
+        assert code == 143 and last.startswith(("gnnlm pipeline: stopped by SIGTERM at ",
+                                                "gnnlm pipeline: stopped by SIGTERM after "
+                                                "features;")), text
         assert "took over the lock" not in text
     _, _, _, resumed = stopped_runs["after"]
     assert "features train:" in resumed              # the features were resumed, not found done
