@@ -33,11 +33,16 @@ $(BIN)/gnnlm: pyproject.toml
 
 setup: $(BIN)/gnnlm
 
+# the suite on TEST_WORKERS pytest-xdist processes; a test reading a shared fixture runs where
+# it was built (tests/conftest.py)
+TEST_WORKERS ?= 2
+
 test: setup smollm2
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 test-unit: setup
-	$(BIN)/python -m pytest -q -m "not integration and not multiprocess" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		-m "not integration and not multiprocess" tests
 
 lint: setup
 	$(BIN)/ruff check .

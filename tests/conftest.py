@@ -16,6 +16,30 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# ``make test`` runs the suite on pytest-xdist workers (``--dist loadgroup``). Each worker
+# computes on its share of the cores: two workers of two threads each on two cores would
+# oversubscribe them (OpenMP threads spinning on a busy core). The subprocesses tests start
+# inherit the setting.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, _threads)
+
+# The session fixtures that take minutes, in order: a test reading one runs on the worker that
+# built it (the first it reads, in this order); any other test runs beside its module, so that
+# a module's own fixtures are built once too.
+SHARED_FIXTURES = ("run_dir", "hf_family_built", "gpt2_work", "smollm2_work", "smollm2",
+                   "wikitext_tokens")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = next((name for name in SHARED_FIXTURES if name in item.fixturenames),
+                     item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def data_dir() -> Path:
     return Path(os.environ.get("GNNLM_DATA", REPO.parent / "shared" / "data"))
 
