@@ -41,8 +41,7 @@ test: setup smollm2
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 test-unit: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
-		-m "not integration and not multiprocess" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not integration and not multiprocess" tests
 
 lint: setup
 	$(BIN)/ruff check .

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gnnlm.utils.devices import fits_resident
+from gnnlm.utils.devices import why_not_resident
 from gnnlm.utils.progress import say
 
 # train positions [n] -> float32 [n, d]: ``PQFeatures``, ``RawFeatures`` or any such function
@@ -110,10 +110,9 @@ class NodeFeatureReader:
         if not isinstance(self.host, CopiesToDevice):
             return None
         nbytes = self.host.resident_bytes
-        fits, free = fits_resident(device, nbytes)
-        if not fits:
+        why_not = why_not_resident(device, nbytes)
+        if why_not is not None:
             say(f"[gnnlm] GNN-LM node features: the train features ({nbytes / 2**30:.1f} GiB) "
-                f"do not fit in half of {device}'s free memory ({free / 2**30:.1f} GiB): they "
-                f"are decoded on the host and copied for each batch (slower)")
+                f"{why_not}: they are decoded on the host and copied for each batch (slower)")
             return None
         return self.host.on_device(device)

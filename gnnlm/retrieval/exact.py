@@ -45,7 +45,7 @@ import torch
 from torch.nn import functional as F
 
 from gnnlm.retrieval.settings import check_metric
-from gnnlm.utils.devices import fits_resident, torch_device
+from gnnlm.utils.devices import torch_device, why_not_resident
 from gnnlm.utils.progress import say
 
 SCREENS = ("auto", "float16", "float32")
@@ -220,14 +220,13 @@ class ExactSearch:
         itemsize = keys.element_size() if isinstance(keys, torch.Tensor) else keys.dtype.itemsize
         nbytes = int(keys.shape[0]) * int(keys.shape[1]) * itemsize
         table = int(keys.shape[0]) * int(keys.shape[1]) * 2 if self.screen == "float16" else 0
-        fits, free = fits_resident(self.device, nbytes + table)
-        if fits:
+        why_not = why_not_resident(self.device, nbytes + table)
+        if why_not is None:
             if isinstance(keys, torch.Tensor):
                 return keys.to(self.device)
             return torch.from_numpy(np.ascontiguousarray(keys)).to(self.device)
         say(f"[gnnlm] exact search: the train keys ({(nbytes + table) / 2**30:.1f} GiB with "
-            f"the screening table) do not fit in half of {self.device}'s free "
-            f"memory ({free / 2**30:.1f} GiB): they stream from the host chunk by chunk, "
+            f"the screening table) {why_not}: they stream from the host chunk by chunk, "
             f"screened in float32 (much slower)")
         self.screen = "float32"
         return keys

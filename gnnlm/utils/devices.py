@@ -93,12 +93,15 @@ def free_memory(device: torch.device) -> Optional[int]:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def fits_resident(device: torch.device, nbytes: int) -> tuple[bool, Optional[int]]:
-    """Whether ``nbytes`` may stay resident on ``device``, and its free bytes (None off CUDA).
-    On a GPU: when they fit in half its free memory, the other half being left to the work that
-    reads them (score blocks, activations); a host keeps its arrays where they are."""
+def why_not_resident(device: torch.device, nbytes: int) -> Optional[str]:
+    """Why ``nbytes`` may not stay resident on ``device`` ("do not fit in half of cuda:0's free
+    memory (3.1 GiB)"), or None when they may. On a GPU they must fit in half its free memory,
+    the other half being left to the work that reads them (score blocks, activations); a host
+    keeps its arrays where they are."""
     free = free_memory(device)
-    return free is None or nbytes <= free // 2, free
+    if free is None or nbytes <= free // 2:
+        return None
+    return f"do not fit in half of {device}'s free memory ({free / 2**30:.1f} GiB)"
 
 
 def pin_memory() -> bool:
