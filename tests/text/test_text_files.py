@@ -24,8 +24,9 @@ def test_a_binary_of_small_numbers_is_not_called_utf16():
 
 
 @pytest.mark.parametrize("content,message", [
-    (gzip.compress(TEXT.encode()), "is not text: it is gzip-compressed (it begins with "
-                                   "b'\\x1f\\x8b'): decompress it first (gunzip)."),
+    # mtime=0: the same bytes, so the same test id, in every process that collects it
+    (gzip.compress(TEXT.encode(), mtime=0), "is not text: it is gzip-compressed (it begins "
+                                            "with b'\\x1f\\x8b'): decompress it first (gunzip)."),
     (TEXT.encode("utf-16"), "is UTF-16 text: convert it to UTF-8 (e.g. iconv -f utf-16 -t "
                             "utf-8)."),
     (TEXT.encode("utf-16-be"), "is UTF-16 text without a byte-order mark (UTF-16BE): convert "
