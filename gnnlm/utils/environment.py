@@ -60,6 +60,9 @@ def describe() -> dict:
            "python": platform.python_version(),
            "cuda": torch.version.cuda if gpus else None}
     env.update({module: version(dist) for module, dist in STACK.items()})
+    # torch's own string names its build (2.11.0+cu130, 2.13.0+cpu); a wheel from PyPI records
+    # only 2.11.0 in its metadata, which would not say which CUDA the run's kernels came from
+    env["torch"] = torch.__version__
     # two CPUs of one name run other kernels when their vector instructions differ
     env["cpu_kernels"] = cpu_kernels.describe()
     return env

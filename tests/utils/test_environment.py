@@ -28,6 +28,18 @@ def test_describe_names_the_device_and_the_installed_versions():
     assert f"torch {torch.__version__}" in line and "\n" not in line
 
 
+def test_torch_is_named_by_its_build_where_its_metadata_drops_the_tag(monkeypatch):
+    """A CUDA wheel from PyPI records ``2.11.0`` in its metadata while torch reports
+    ``2.11.0+cu130``: the record keeps torch's own string, which names the build."""
+    metadata = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: (
+        "2.11.0" if name == "torch" else metadata(name)))
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    env = environment.describe()
+    assert env["torch"] == "2.11.0+cu130"
+    assert "torch 2.11.0+cu130" in environment.one_line(env)
+
+
 def test_a_missing_package_is_named_and_fails(capsys):
     assert environment.main(["--require", "json,no_such_package_here"]) == 1
     assert capsys.readouterr().err.startswith("missing Python packages: no_such_package_here;")
