@@ -18,8 +18,9 @@ from typing import Optional
 
 from gnnlm.utils import cpu_kernels
 
-# the import name of each package a run reads, and its distribution name (for its version)
-STACK = {"torch": "torch", "torch_geometric": "torch-geometric",
+# the import name of each package a run reads, and its distribution name (for its version);
+# torch is named by its own version string instead (``describe``)
+STACK = {"torch_geometric": "torch-geometric",
          "pytorch_lightning": "pytorch-lightning", "faiss": ("faiss-cpu", "faiss-gpu"),
          "transformers": "transformers", "numpy": "numpy", "jsonargparse": "jsonargparse"}
 
@@ -58,11 +59,11 @@ def describe() -> dict:
     env = {"device": torch.cuda.get_device_name(0) if gpus else "cpu",
            "gpus": gpus, "cpu": cpu_name(),
            "python": platform.python_version(),
-           "cuda": torch.version.cuda if gpus else None}
+           "cuda": torch.version.cuda if gpus else None,
+           # torch's own string names its build (2.11.0+cu130, 2.13.0+cpu), where the metadata
+           # of a CUDA wheel from PyPI says only 2.11.0: not which CUDA the kernels came from
+           "torch": str(torch.__version__)}
     env.update({module: version(dist) for module, dist in STACK.items()})
-    # torch's own string names its build (2.11.0+cu130, 2.13.0+cpu); a wheel from PyPI records
-    # only 2.11.0 in its metadata, which would not say which CUDA the run's kernels came from
-    env["torch"] = torch.__version__
     # two CPUs of one name run other kernels when their vector instructions differ
     env["cpu_kernels"] = cpu_kernels.describe()
     return env

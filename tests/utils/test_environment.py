@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 from gnnlm.pipeline.stage_times import StageTimes, timed
 from gnnlm.utils import environment, provenance
@@ -30,13 +31,14 @@ def test_describe_names_the_device_and_the_installed_versions():
 
 def test_torch_is_named_by_its_build_where_its_metadata_drops_the_tag(monkeypatch):
     """A CUDA wheel from PyPI records ``2.11.0`` in its metadata while torch reports
-    ``2.11.0+cu130``: the record keeps torch's own string, which names the build."""
+    ``2.11.0+cu130``: the record keeps torch's own string, which names the build, as a plain
+    ``str`` (``TorchVersion`` is one that YAML's safe dumper refuses)."""
     metadata = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: (
         "2.11.0" if name == "torch" else metadata(name)))
-    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0+cu130"))
     env = environment.describe()
-    assert env["torch"] == "2.11.0+cu130"
+    assert env["torch"] == "2.11.0+cu130" and type(env["torch"]) is str
     assert "torch 2.11.0+cu130" in environment.one_line(env)
 
 
