@@ -1,10 +1,13 @@
-"""Exact top-k search in torch: fast on a GPU, and the same neighbours wherever it runs.
+"""Exact top-k search in torch: fast on a GPU, and the float32 search's neighbours whichever
+screening finds them.
 
 The exact neighbours of a query are defined once, here: the k train keys with the highest
 float32 similarity as ``ExactSearch.pair_scores`` computes it (a matrix product of 32 query rows
 by 4,096 key columns, so every score comes out of a product of one shape: on a GPU four such
 tiles per batched product; on the CPU the bits of one large product), ties going to the lower
-train position. ``ExactSearch`` finds them in four steps:
+train position. (A GPU's float32 products and a CPU's may round a score's last bit otherwise,
+so keys within that of each other may order otherwise from one device to the other.)
+``ExactSearch`` finds them in four steps:
 
 1. **Screen.** A matrix product of a block of queries by every key, one top-M per block
    (M = k + a margin). ``screen="float16"`` runs it on float16 inputs (tensor cores; CUDA's
@@ -56,6 +59,7 @@ F16_SUBNORMAL = 2.0 ** -25          # float16's absolute rounding error below it
 SAFETY = 1.01   # on the error bound (a worst case already): its own float64 arithmetic
 CPU_SCORE_ELEMENTS = 1 << 24        # screening scores per step on the CPU (64 MB of float32)
 GPU_SCORE_BYTES = 8 << 30           # at most this much GPU memory for screening scores
+COUNT_ELEMENTS = 1 << 28            # mask entries a widening count converts at once (1 GB)
 TILE_BATCH = 4                      # tiles per batched product of the exact scores
 RESCORE_BYTES = 1 << 30             # float32 keys one batched re-scoring step reads (a GPU)
 WIDEST = 16     # a widened row re-scores at most this many times M keys (else: the next step)
@@ -482,8 +486,13 @@ class ExactSearch:
         rows, ids = [], []
         for r0, start, s in self._products(qs, screen, wanted=keep):
             hit = s >= least[r0:r0 + s.shape[0], None]
-            # a bool sum on the host is twice as slow as the same bytes summed as uint8
-            count[r0:r0 + s.shape[0]] += hit.view(torch.uint8).sum(1, dtype=torch.int32)
+            # a bool sum on the host is twice as slow as the same bytes summed as uint8; a sum
+            # to int32 first copies its input as int32 (over every key of a GPU step, twice the
+            # float16 scores' memory), so it is summed a slice of columns at a time
+            cols = max(1, COUNT_ELEMENTS // max(1, s.shape[0]))
+            for c0 in range(0, hit.shape[1], cols):
+                count[r0:r0 + s.shape[0]] += hit[:, c0:c0 + cols].view(torch.uint8).sum(
+                    1, dtype=torch.int32)
             keep[r0:r0 + s.shape[0]] = count[r0:r0 + s.shape[0]] <= cap
             hit &= keep[r0:r0 + s.shape[0], None]  # a row over the cap: the next step settles it
             r, c = hit.nonzero(as_tuple=True)

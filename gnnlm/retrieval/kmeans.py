@@ -8,7 +8,10 @@ each update (faiss does so for inner-product IVF quantizers). Assignment is by t
 product (``metric="ip"``) or the smallest squared distance (``"l2"``), one matrix product per
 block of points. ``batched_kmeans`` clusters several sets at once ([m, n, d] points into
 [m, k, d] centroids): the m sub-spaces of a product quantizer in one call. On a GPU both run in
-seconds where faiss-cpu takes tens of seconds (``benchmarks/bench_gpu.py``).
+seconds where faiss-cpu takes tens of seconds (``benchmarks/bench_gpu.py``). There a cluster's
+sum is made of atomic additions in no fixed order, so two runs from scratch may give centroids
+a last bit apart; on a CPU they are the same bytes. (A stage that trains them writes them before
+it encodes with them, so a resumed stage reads the ones it began with.)
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from gnnlm.retrieval import exact
 from gnnlm.retrieval.exact import (
     U16,
     ExactSearch,
@@ -127,9 +128,14 @@ def test_rows_the_bound_cannot_settle_are_widened_in_the_same_precision():
         assert np.array_equal(sims, want_s) and np.array_equal(ids, want_i), screen
 
 
+@pytest.mark.parametrize("count_elements", [None, 64])
 @pytest.mark.parametrize("tied, settled_by", [(1000, "widened"), (2000, "exhaustive")])
-def test_rows_float16_cannot_widen_are_screened_in_float32_then_against_every_key(tied,
-                                                                                  settled_by):
+def test_rows_float16_cannot_widen_are_screened_in_float32_then_against_every_key(
+        tied, settled_by, count_elements, monkeypatch):
+    """Also with each row's count of keys to widen summed over slices of 6 key columns, as a
+    GPU step of 2,048 rows by every key sums it."""
+    if count_elements:
+        monkeypatch.setattr(exact, "COUNT_ELEMENTS", count_elements)
     keys, queries = crowded_keys()
     keys[1000:1000 + tied] = keys[40]            # more ties than float16 widens (16 x 30);
     search = ExactSearch(keys, "cos", screen="float16")   # 2,041 more than float32 (16 x 94)
