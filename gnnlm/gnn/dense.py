@@ -84,7 +84,8 @@ def layout_sizes(batch) -> tuple[int, int, int]:
     index tensors, which on a GPU waits for every queued kernel."""
     sizes = getattr(batch, "layout_size", None)
     if sizes is not None:
-        per_graph = [sizes] if isinstance(sizes, tuple) else list(sizes)
+        # one graph's (T, k), or a batch's list of them; PyG's ``.to`` makes tuples lists
+        per_graph = [sizes] if isinstance(sizes[0], int) else list(sizes)
         return (len(per_graph), max(T for T, _ in per_graph),
                 max(max(k for _, k in per_graph), 1))
     ctx_store, nbr_store = batch["ctx"], batch["nbr"]

@@ -111,7 +111,8 @@ def _without_layout_size(graphs):
 def test_the_host_sizes_are_those_the_index_tensors_give():
     """Graphs carry their dense extent as Python ints (no read from the device): the layout
     built from them equals the one read from the node indices, for batches with a short last
-    block, a block without neighbours, evaluation blocks without windows, and one graph."""
+    block, a block without neighbours, evaluation blocks without windows, and one graph; also
+    once moved by PyG's ``.to`` (which turns each graph's (T, k) into a list)."""
     cfg = GraphConfig(left=1, right=2, k=3)
     rng = np.random.default_rng(0)
 
@@ -132,9 +133,11 @@ def test_the_host_sizes_are_those_the_index_tensors_give():
         read = (Batch.from_data_list(_without_layout_size(copies)) if len(copies) > 1
                 else _without_layout_size(copies)[0])
         assert layout_sizes(with_sizes) == layout_sizes(read)
+        moved = with_sizes.clone().to("cpu")
+        assert layout_sizes(moved) == layout_sizes(read)
         got, want = to_dense(with_sizes, cfg), to_dense(read, cfg)
-        for a, b in zip(got[:2], want[:2]):
-            assert torch.equal(a, b)
+        for a, b, c in zip(got[:2], want[:2], to_dense(moved, cfg)[:2]):
+            assert torch.equal(a, b) and torch.equal(c, b)
         assert torch.equal(got[2].ctx_mask, want[2].ctx_mask)
         assert torch.equal(got[2].nbr_mask, want[2].nbr_mask)
         assert got[2].ctx_slots is not None
