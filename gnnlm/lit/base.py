@@ -20,6 +20,7 @@ from typing import Optional
 
 import pytorch_lightning as pl
 import torch
+from torch_geometric.data.data import BaseData
 
 from gnnlm.lit.optim import adamw_warmup_cosine
 from gnnlm.lit.settings import OptimConfig
@@ -73,6 +74,15 @@ class TokenLevelModule(pl.LightningModule):
         if not self.has_output_embedding:
             raise RuntimeError("No output embedding: call attach_output_embedding(W, b) first.")
         return self.out_weight, self.out_bias
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """Lightning copies a batch's tensors to a GPU without waiting (``non_blocking``, from
+        the loader's pinned memory), but moves any other batch by its own ``.to``: a PyG batch
+        (GNN-LM's) would then be copied by a blocking copy, which waits for every kernel queued
+        before it, the previous step's included. It is moved as Lightning moves tensors."""
+        if isinstance(batch, BaseData) and device.type == "cuda":
+            return batch.to(device, non_blocking=True)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def token_nll(self, batch, stage: str) -> tuple[torch.Tensor, torch.Tensor,
                                                    Optional[torch.Tensor]]:

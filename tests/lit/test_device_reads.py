@@ -150,3 +150,42 @@ def test_a_head_on_frozen_features_reads_nothing_back(head, monkeypatch):
                 "nbr_values": torch.randint(-1, 30, (16, 4), generator=g),   # -1: none
                 "positions": torch.arange(16)} for _ in range(STEPS)]
     assert steps_read(module, batches, monkeypatch) == Counter()
+
+
+class DeviceMoves(TorchFunctionMode):
+    """Counts the tensors moved to a CUDA device with and without ``non_blocking``, skipping
+    the move itself (no GPU here): a blocking copy to a GPU first waits for every kernel
+    queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.moves: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "to":
+            to = kwargs.get("device", args[1] if len(args) > 1 else None)
+            if isinstance(to, (str, torch.device)) and torch.device(to).type == "cuda":
+                self.moves["non_blocking" if kwargs.get("non_blocking") else "blocking"] += 1
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def test_every_training_batch_is_copied_to_a_gpu_without_waiting():
+    """Lightning moves a batch of tensors with ``non_blocking`` copies, but a PyG batch by its
+    own ``.to``, blocking unless told: GNN-LM's batches are moved as the others are."""
+    from gnnlm.gnn.graph import GraphConfig
+    from gnnlm.lit.gnn import GNNLM
+    from gnnlm.lit.lm import LanguageModel
+    from tests.gnn.test_dense import D_MODEL, batch_of_graphs
+
+    cfg = GraphConfig(left=1, right=2, k=3)
+    gnn = GNNLM(vocab_size=30, feature_dim=D_MODEL, num_layers=2, heads=2, graph_layout=cfg)
+    lm = LanguageModel(vocab_size=30, context_length=8, n_layer=1, n_head=2, d_model=16,
+                       d_ff=32)
+    graphs = batch_of_graphs(cfg, leakage_window=4, seed=0, dtype=torch.float32)
+    tensors = sum(isinstance(v, torch.Tensor) for store in graphs.stores for v in store.values())
+    for module, batch, moved in ((gnn, graphs, tensors), (lm, lm_batches(30)[0], 3)):
+        with DeviceMoves() as copies:
+            module.transfer_batch_to_device(batch, torch.device("cuda"), 0)
+        assert copies.moves == Counter(non_blocking=moved), type(module).__name__
