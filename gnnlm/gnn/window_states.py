@@ -20,8 +20,9 @@ w nodes (of the retrieved node alone under ``inter="retrieved"``), float32, so (
 per position (3 KiB for 3 layers, l = r = 1, d = 128; 12 KiB at d = 512), plus a row number per
 train position (8 bytes); layer 0 reads the node features. Rows are taken in the order positions
 are first retrieved, up to ``max_windows`` (default: every train position; on a CPU, rows never
-taken take no memory); a batch that would overflow it empties the table and starts again, so
-memory stays bounded and the numbers stay exact. Weights that change (a training step, a
+taken take no memory; a GPU allocates them at once, so there the default is at most what half
+its free memory holds, said once); a batch that would overflow it empties the table and starts
+again, so memory stays bounded and the numbers stay exact. Weights that change (a training step, a
 loaded checkpoint, a write through ``p.data``, a move to another device) empty it before the
 next read: each ``prepare`` compares a digest of the weights' bits
 (``gnnlm.utils.tensor_digest``) with the one the table was computed from. That digest
@@ -43,6 +44,8 @@ from gnnlm.gnn.graph import NBR_INTER, GraphConfig
 from gnnlm.gnn.layer import GNNLMConv, GNNStack
 from gnnlm.gnn.node_features import HostFeatures, NodeFeatureReader
 from gnnlm.gnn.settings import GraphLayout
+from gnnlm.utils import devices
+from gnnlm.utils.progress import say
 from gnnlm.utils.tensor_digest import tensor_digest
 
 
@@ -56,7 +59,8 @@ class WindowStates:
             graphs the stack was trained on read them.
         n_train: the train split's size (windows are clipped to it).
         config: the window sizes and inter edges of those graphs.
-        max_windows: the most windows kept (default: ``n_train``, every train position).
+        max_windows: the most windows kept (default: ``n_train``, every train position; on a
+            GPU whose free memory cannot hold them in half of it, as many as it can, said once).
         windows_per_step: windows computed at once when filling (bounds the memory of a fill).
     """
 
@@ -72,6 +76,8 @@ class WindowStates:
         self.max_windows = n_train if max_windows is None else max_windows
         if self.max_windows < 1:
             raise ValueError(f"max_windows must be at least 1 (got {max_windows}).")
+        self._asked = max_windows
+        self._said: set[str] = set()          # devices told the default does not fit
         self.layers = [cast(GNNLMConv, layer) for layer in stack.layers]
         self.offsets = torch.arange(-config.left, config.right + 1)         # [w]
         # the window slots the context reads: all, or the retrieved token's
@@ -105,6 +111,7 @@ class WindowStates:
         if self._table is None or key != self._weights:
             self.clear()
             d, w = self.layers[0].channels, len(self.offsets[self.slots])
+            self.max_windows = self._rows_on(device, w, d)
             # one table per layer, rows of whole windows: reading is a row gather
             self._table = torch.empty(max(len(self.layers) - 1, 0), 1 + self.max_windows, w, d,
                                       device=device, dtype=self._dtype())
@@ -123,6 +130,27 @@ class WindowStates:
         present = (q >= 0) & (q < self.n_train)
         x = self.node_features(q.clamp(0, self.n_train - 1).flatten()).to(self._dtype())
         return x.view(*q.shape, -1), present
+
+    def _rows_on(self, device: torch.device, w: int, d: int) -> int:
+        """``max_windows`` as given; by default every train position, or on a GPU whose free
+        memory cannot hold their table in half of it (a CPU touches only the rows it takes; a
+        GPU allocates them all at once), as many windows as half of it holds."""
+        if self._asked is not None:
+            return self._asked
+        row_bytes = (len(self.layers) - 1) * w * d * self._dtype().itemsize
+        row_map = 8 * (self.n_train + 1)
+        nbytes = (1 + self.n_train) * row_bytes + row_map
+        why_not = devices.why_not_resident(device, nbytes)
+        free = devices.free_memory(device)
+        if why_not is None or free is None:
+            return self.n_train
+        rows = max(1, (free // 2 - row_map) // row_bytes - 1)
+        if str(device) not in self._said:
+            self._said.add(str(device))
+            say(f"[gnnlm] GNN-LM window states: a window for every train position "
+                f"({nbytes / 2**30:.1f} GiB) {why_not}: keeping {rows} windows, computed again "
+                f"when the table fills (the same numbers); model.max_windows sets it")
+        return rows
 
     def _dtype(self) -> torch.dtype:
         return next(self.stack.parameters()).dtype  # float32 (float64 in reference tests)

@@ -20,6 +20,7 @@ from gnnlm.gnn.graph import METADATA, GraphConfig, build_context_graph, build_gr
 from gnnlm.gnn.layer import GNNStack
 from gnnlm.gnn.window_states import WindowStates
 from gnnlm.lit.gnn import GNNLM
+from gnnlm.utils import devices
 from gnnlm.workdir.checkpoints import load_checkpoint
 from gnnlm.workdir.layout import Workdir
 from gnnlm.workdir.manifests import open_array, read_manifest
@@ -174,6 +175,42 @@ def test_a_full_table_starts_again_with_the_same_numbers():
     assert small.computed > distinct                                  # it did start again
     with pytest.raises(ValueError, match=f"retrieves {distinct} distinct windows but"):
         small(ctx, graph)
+
+
+def test_a_gpu_without_room_for_every_window_keeps_fewer_with_the_same_numbers(monkeypatch,
+                                                                               capsys):
+    """A GPU allocates the table at once: by default it keeps what half its free memory holds
+    (said once), and starts again when that fills, with the same numbers; a given
+    ``max_windows`` is kept as given."""
+    cfg = GraphConfig(k=4)
+    _, context, train = blocks(cfg, seed=2)
+    stack = stack_for()
+    ctx, _, graph = to_dense(context, cfg)
+    full = WindowStates(stack, features_of(train), N_TRAIN, cfg)
+    want = full(ctx, graph)
+    assert full.max_windows == N_TRAIN and full._table is not None
+    row_bytes = full._table[:, 0].numel() * full._table.element_size()
+    per_block = [len(torch.unique(r[r >= 0])) for r in graph.retrieved]
+    rows = max(per_block)
+    assert rows < len(torch.unique(graph.retrieved[graph.retrieved >= 0]))
+    room = 2 * (8 * (N_TRAIN + 1) + (1 + rows) * row_bytes)        # half of it: `rows` rows
+    monkeypatch.setattr(devices, "free_memory", lambda device: room)
+    small = WindowStates(stack, features_of(train), N_TRAIN, cfg)
+    for block in (0, 1, 2, 0):
+        one = DenseGraph(graph.ctx_mask[block:block + 1], graph.nbr_mask[block:block + 1],
+                         graph.center, graph.inter, graph.ctx_window,
+                         graph.retrieved[block:block + 1])
+        torch.testing.assert_close(small(ctx[block:block + 1], one), want[block:block + 1],
+                                   rtol=1e-12, atol=1e-12)
+    assert small.max_windows == rows and small._table.shape[1] == 1 + rows
+    assert small.computed > len(torch.unique(graph.retrieved[graph.retrieved >= 0]))
+    small.clear()                                                     # a new table: not said again
+    torch.testing.assert_close(small(ctx[:1], one), want[:1], rtol=1e-12, atol=1e-12)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and f"keeping {rows} windows" in said[0], said
+    given = WindowStates(stack, features_of(train), N_TRAIN, cfg, max_windows=N_TRAIN)
+    torch.testing.assert_close(given(ctx, graph), want, rtol=0, atol=0)
+    assert given.max_windows == N_TRAIN and not capsys.readouterr().err
 
 
 def test_window_states_refuse_training_and_blocks_with_windows():
