@@ -387,8 +387,10 @@ def gnn_eval(s: Shapes, device: torch.device, model: GNNLM, k: int, values: np.n
 
 
 def gnn(s: Shapes, device: torch.device, base_eval_tokens_per_s: float) -> dict:
-    values = np.random.default_rng(0).standard_normal(
-        (min(s.keys, 400_000), s.dim)).astype(np.float16)
+    # drawn on the device: numpy's one core takes seconds of the benchmark's minute for 400k
+    gen = torch.Generator(device=device).manual_seed(0)
+    values = torch.randn(min(s.keys, 400_000), s.dim, device=device, generator=gen).half()
+    values = values.cpu().numpy()
     out: dict = {}
     for k in s.ks:
         out[f"gnn_train[{k}]"], model = gnn_at(s, device, k, values)
