@@ -76,10 +76,11 @@ class TokenLevelModule(pl.LightningModule):
         return self.out_weight, self.out_bias
 
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        """Lightning copies a batch's tensors to a GPU without waiting (``non_blocking``, from
-        the loader's pinned memory), but moves any other batch by its own ``.to``: a PyG batch
-        (GNN-LM's) would then be copied by a blocking copy, which waits for every kernel queued
-        before it, the previous step's included. It is moved as Lightning moves tensors."""
+        """Lightning copies tensors to a GPU without waiting (``non_blocking``, from the
+        loader's pinned memory), in dicts and lists too, but moves an object with a ``.to`` of
+        its own by calling it with the device alone: a PyG batch (GNN-LM's) would then be
+        copied by blocking copies, each waiting for every kernel queued before it, the previous
+        step's included. It is moved as Lightning moves tensors."""
         if isinstance(batch, BaseData) and device.type == "cuda":
             return batch.to(device, non_blocking=True)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
