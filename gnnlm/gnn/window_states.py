@@ -140,16 +140,16 @@ class WindowStates:
         row_bytes = (len(self.layers) - 1) * w * d * self._dtype().itemsize
         row_map = 8 * (self.n_train + 1)
         nbytes = (1 + self.n_train) * row_bytes + row_map
-        why_not = devices.why_not_resident(device, nbytes)
-        free = devices.free_memory(device)
-        if why_not is None or free is None:
+        room = devices.resident_room(device)
+        if room is None or nbytes <= room:
             return self.n_train
-        rows = max(1, (free // 2 - row_map) // row_bytes - 1)
+        rows = max(1, (room - row_map) // row_bytes - 1)
         if str(device) not in self._said:
             self._said.add(str(device))
             say(f"[gnnlm] GNN-LM window states: a window for every train position "
-                f"({nbytes / 2**30:.1f} GiB) {why_not}: keeping {rows} windows, computed again "
-                f"when the table fills (the same numbers); model.max_windows sets it")
+                f"({nbytes / 2**30:.1f} GiB) {devices.why_not_resident(device, nbytes)}: "
+                f"keeping {rows} windows, computed again when the table fills (the same "
+                f"numbers); model.max_windows sets it")
         return rows
 
     def _dtype(self) -> torch.dtype:

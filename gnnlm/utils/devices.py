@@ -93,15 +93,21 @@ def free_memory(device: torch.device) -> Optional[int]:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
+def resident_room(device: torch.device) -> Optional[int]:
+    """Bytes that may stay resident on ``device``: half a GPU's free memory, the other half
+    being left to the work that reads them (score blocks, activations); None elsewhere, a host
+    keeping its arrays where they are."""
+    free = free_memory(device)
+    return None if free is None else free // 2
+
+
 def why_not_resident(device: torch.device, nbytes: int) -> Optional[str]:
     """Why ``nbytes`` may not stay resident on ``device`` ("do not fit in half of cuda:0's free
-    memory (3.1 GiB)"), or None when they may. On a GPU they must fit in half its free memory,
-    the other half being left to the work that reads them (score blocks, activations); a host
-    keeps its arrays where they are."""
-    free = free_memory(device)
-    if free is None or nbytes <= free // 2:
+    memory (3.1 GiB)"), or None when they may (``resident_room``)."""
+    room = resident_room(device)
+    if room is None or nbytes <= room:
         return None
-    return f"do not fit in half of {device}'s free memory ({free / 2**30:.1f} GiB)"
+    return f"do not fit in half of {device}'s free memory ({2 * room / 2**30:.1f} GiB)"
 
 
 def pin_memory() -> bool:
