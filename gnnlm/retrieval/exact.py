@@ -14,7 +14,8 @@ so keys within that of each other may order otherwise from one device to the oth
    default), ``"float32"`` on float32 ones. Before its output is rounded, a screening score
    differs from the exact one by at most ε, a rounding-error bound computed for each query
    (``_screening_queries``: the inputs' rounding to float16, float32 accumulation of d
-   products, Higham's γ_d = d·u/(1 − d·u), and the exact score's own γ_d); a float16 output
+   products on tensor cores, which truncate, 3γ_d (Higham's γ_d = d·u/(1 − d·u) is that of
+   an IEEE sum, ``TENSOR_CORE_GAMMAS``), and the exact score's own γ_d); a float16 output
    adds at most half the gap to the next float16.
 2. **Re-score** the M candidates exactly (``pair_scores``) and order them by score, then by
    position.
@@ -63,6 +64,14 @@ COUNT_ELEMENTS = 1 << 28            # mask entries a widening count converts at 
 TILE_BATCH = 4                      # tiles per batched product of the exact scores
 RESCORE_BYTES = 1 << 30             # float32 keys one batched re-scoring step reads (a GPU)
 WIDEST = 16     # a widened row re-scores at most this many times M keys (else: the next step)
+# float16 products summed in float32 on NVIDIA's tensor cores: a block of n >= 4 products and
+# the running sum are added at once, every term aligned to the largest one with the bits below
+# its last place dropped, and the sum truncated to float32 (Fasi, Higham, Mikaitis & Pranesh,
+# "Numerical behavior of NVIDIA tensor cores", 2021). With S = Σ|q_i k_i|, a block errs by
+# less than (n + 1)·2^-23·S (what each term but the largest loses, and the sum's truncation),
+# where an IEEE sum errs by up to 2^-24·S per product: over d products at most 2(1 + 1/n)
+# <= 2.5 times γ_d·S; a split-K kernel's float32 sums of partial products add under 0.5 γ_d
+TENSOR_CORE_GAMMAS = 3.0
 
 
 def resolve_screen(screen: str, metric: str, device: torch.device) -> str:
@@ -103,17 +112,23 @@ def full_precision() -> Iterator[None]:
 
 def half_products_accumulate_in_float32(device: torch.device, d: int, seed: int = 0) -> bool:
     """Whether float16 matrix products on ``device`` stay within the error of float32
-    accumulation (the bound the float16 screening rests on), tried on random d-dimensional
-    rows: summed in float16, their errors would be ~sqrt(d)·2^-11, hundreds of times over."""
+    accumulation on tensor cores (``TENSOR_CORE_GAMMAS``·γ_d, the bound the float16 screening
+    rests on), tried on d-dimensional rows whose products are positive in the first half and
+    negative in the second: their partial sums grow to about d/3 and cancel, so a float16
+    accumulator's errors stand out from the small result's own rounding (summed pairwise in
+    float16 they exceed the bound 5.6 times at d = 512 and 44 times at d = 64, where random
+    rows' exceed it 1.2 and 14 times; float32 sums stay under a hundredth of it)."""
     gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(ROWS, d, generator=gen).half()
-    b = torch.randn(256, d, generator=gen).half()
+    a = torch.randn(ROWS, d, generator=gen).abs().half()
+    b = torch.randn(256, d, generator=gen).abs()
+    b[:, d // 2:] *= -1
+    b = b.half()
     with full_precision():
         s = torch.mm(a.to(device), b.to(device).T).cpu().double()
     exact = a.double() @ b.double().T
     product = (torch.linalg.vector_norm(a.double(), dim=1)[:, None]
                * torch.linalg.vector_norm(b.double(), dim=1)[None])
-    gamma = _gamma(d, U32)
+    gamma = TENSOR_CORE_GAMMAS * _gamma(d, U32)
     # the output's rounding is of the score itself: a float16 sum's errors are of its partials
     bound = gamma * product + U16 * (exact.abs() + gamma * product) + F16_SUBNORMAL
     return bool(((s - exact).abs() <= bound).all())
@@ -414,7 +429,7 @@ class ExactSearch:
         product = q16_norm * self._table_norm                              # >= |q16 · k16|
         eps = (q_error * self._table_norm                     # the queries' rounding
                + scaled_norm * self._table_error              # the keys' rounding
-               + gamma * product                              # float32 accumulation
+               + TENSOR_CORE_GAMMAS * gamma * product         # float32 accumulation
                + gamma * scaled_norm * self._key_norm)        # the exact score's own rounding
         return q16, SAFETY * eps / scale, scale
 

@@ -106,6 +106,57 @@ def test_the_screening_error_bound_holds_for_every_pair():
                                                               * search._table_norm)
 
 
+def _truncated(x: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    """``x`` rounded toward zero to a multiple of ``unit`` (float64, exact for these sizes)."""
+    return np.sign(x) * np.floor(np.abs(x) / unit) * unit
+
+
+def _last_place(x: np.ndarray) -> np.ndarray:
+    """The unit in the last place of a float32 with the exponent of each ``|x|`` (1 for 0)."""
+    exponent = np.frexp(np.where(x == 0, 1.0, np.abs(x)))[1] - 1          # floor(log2|x|)
+    return np.ldexp(1.0, exponent - 23)
+
+
+def tensor_core_products(q16: torch.Tensor, k16: torch.Tensor, n: int) -> np.ndarray:
+    """``q16 @ k16.T`` as Fasi et al. (2021) model a tensor core summing float16 products in
+    float32: n exact products and the running sum added at once, each term truncated to the
+    last place of the largest, the sum truncated to float32 (no extra alignment bits: the
+    worst case)."""
+    products = q16.double().numpy()[:, None, :] * k16.double().numpy()[None]   # exact
+    total = np.zeros(products.shape[:2])
+    for j in range(0, products.shape[2], n):
+        terms = np.concatenate([total[..., None], products[..., j:j + n]], axis=2)
+        unit = _last_place(np.abs(terms).max(axis=2))[..., None]
+        block = _truncated(terms, unit).sum(axis=2)
+        total = _truncated(block, _last_place(block))
+    return total
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_the_float16_screening_bound_holds_for_tensor_cores_that_truncate(n):
+    d = 64
+    gamma = exact._gamma(d, exact.U32)
+    # one large product and d - 1 just under its last place: each block drops them all, an
+    # error of about twice γ_d·Σ|q_i k_i|, over an IEEE sum's bound, within TENSOR_CORE_GAMMAS
+    small = np.float16(2.0 ** -11.5)
+    row = torch.tensor(np.r_[np.float16(1.0), np.full(d - 1, small)])[None]
+    summed = tensor_core_products(row, row, n)[0, 0]
+    true = float((row.double() ** 2).sum())
+    assert summed == 1.0 and true - summed > 1.9 * gamma * true
+    assert true - summed <= exact.TENSOR_CORE_GAMMAS * gamma * true
+    # and the screening's ε bounds such sums, on crowded keys and on that row among them
+    keys, queries = crowded_keys(seed=5, n=400, d=d, nq=24)
+    keys[0], queries[0] = row.numpy()[0], row.numpy()[0]
+    for metric in ("cos", "ip"):
+        search = ExactSearch(keys, metric, screen="float16")
+        q = search._queries(queries)
+        q16, eps, scale = search._screening_queries(q, "float16")
+        scores = search.pair_scores(q, search._range(0, len(keys))).double().numpy()
+        summed = tensor_core_products(q16, search._table, n) / scale
+        gap = np.abs(summed - scores).max(axis=1)
+        assert (gap <= eps.numpy()).all(), metric
+
+
 def test_next_float16_up_and_down_by_bits():
     values = torch.tensor([0.0, -0.0, 1.0, -1.0, 0.978, -0.5, 2.0 ** -24, -(2.0 ** -24), 1000.0,
                            65000.0]).half()
@@ -205,9 +256,13 @@ def test_half_products_summed_in_half_precision_are_caught_and_screened_in_float
             parts = (parts[..., 0::2].float() + parts[..., 1::2].float()).half()
         return parts[..., 0]
 
-    assert half_products_accumulate_in_float32(torch.device("cpu"), 64)
+    # the rehearsal's and the table's widths, and one where random rows would pass
+    for d in (64, 512, 1024):
+        assert half_products_accumulate_in_float32(torch.device("cpu"), d)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "mm", summed_in_float16)
+            assert not half_products_accumulate_in_float32(torch.device("cpu"), d), d
     monkeypatch.setattr(torch, "mm", summed_in_float16)
-    assert not half_products_accumulate_in_float32(torch.device("cpu"), 64)
     keys = crowded_keys()[0][:300]
     assert ExactSearch(keys, "cos", screen="float16").screen == "float32"
     err = capsys.readouterr().err.strip().splitlines()
