@@ -14,9 +14,9 @@ so keys within that of each other may order otherwise from one device to the oth
    default), ``"float32"`` on float32 ones. Before its output is rounded, a screening score
    differs from the exact one by at most ε, a rounding-error bound computed for each query
    (``_screening_queries``: the inputs' rounding to float16, float32 accumulation of d
-   products on tensor cores, which truncate, 3γ_d (Higham's γ_d = d·u/(1 − d·u) is that of
-   an IEEE sum, ``TENSOR_CORE_GAMMAS``), and the exact score's own γ_d); a float16 output
-   adds at most half the gap to the next float16.
+   products on tensor cores, 3γ_d (``TENSOR_CORE_GAMMAS``: their adders truncate, where
+   Higham's γ_d = d·u/(1 − d·u) bounds an IEEE sum), and the exact score's own γ_d); a
+   float16 output adds at most half the gap to the next float16.
 2. **Re-score** the M candidates exactly (``pair_scores``) and order them by score, then by
    position.
 3. **Certify.** A key left out screened at most t̃ (the M-th screening score), so its exact
