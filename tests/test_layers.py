@@ -1,4 +1,4 @@
-"""The package's imports only go down, and none closes a cycle.
+"""The package's imports only go down, none closes a cycle, and no module is over 480 lines.
 
 From the bottom: utils < workdir < text < models < retrieval < gnn < spalm < lit < datamodules <
 pipeline < inference < cli. A module may import its own package and the packages below it,
@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = ("gnnlm.utils", "gnnlm.workdir", "gnnlm.text", "gnnlm.models", "gnnlm.retrieval",
           "gnnlm.gnn", "gnnlm.spalm", "gnnlm.lit", "datamodules", "gnnlm.pipeline",
           "gnnlm.inference", "gnnlm")
+MAX_LINES = 480  # past this a module holds more than one job: cut it by job
 
 
 def modules() -> dict[str, Path]:
@@ -112,3 +113,10 @@ def test_imports_only_go_down():
 
 def test_no_import_cycle():
     assert cycles(graph()) == []
+
+
+def test_no_module_is_over_480_lines():
+    lengths = {name: len(path.read_text(encoding="utf-8").splitlines())
+               for name, path in modules().items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+    assert max(lengths.values()) > MAX_LINES // 2   # it read the modules

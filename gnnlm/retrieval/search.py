@@ -37,7 +37,8 @@ from gnnlm.workdir.manifests import read_manifest
 
 # Below its BLAS threshold faiss sums in another order, and a query's similarities would depend
 # on how many were searched with it (generation searches one at a time, scoring thousands): an
-# exhaustive faiss index is searched with at least this many rows (exact search: ``exact.ROWS``).
+# exhaustive faiss index is searched with at least this many rows (the exact search's scores:
+# ``exact_scores.ROWS``).
 FAISS_BLAS_ROWS = 20
 # faiss factories searched exhaustively (every key scored): their neighbours are the exact ones.
 _EXHAUSTIVE = re.compile(r"(IDMap2?,)?Flat")

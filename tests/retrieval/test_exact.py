@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from gnnlm.retrieval import exact
-from gnnlm.retrieval.exact import (
-    U16,
-    ExactSearch,
-    _next_down,
-    _next_up,
-    half_products_accumulate_in_float32,
-)
+from gnnlm.retrieval import exact, screening_error
+from gnnlm.retrieval.exact import ExactSearch
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
+from gnnlm.retrieval.screening_error import (
+    U16,
+    half_products_accumulate_in_float32,
+    next_down,
+    next_up,
+)
 from gnnlm.retrieval.search import Searcher
 from gnnlm.utils import devices
 from gnnlm.workdir.layout import Workdir
@@ -95,15 +95,15 @@ def test_the_screening_error_bound_holds_for_every_pair():
         assert (gap <= eps).all() and (gap > 0).any(), metric  # it does round
         # after it: what certifying and widening take from a float16 score s̃
         screened = torch.mm(q16, search._table.T)                          # float16 [n, N]
-        upper = (screened.double() + (_next_up(screened).double() - screened.double()) / 2)
+        upper = (screened.double() + (next_up(screened).double() - screened.double()) / 2)
         assert (exact <= upper / scale + eps[:, None]).all(), metric       # certify
         least = ((exact - eps[:, None]) * scale).half()
-        least = torch.where(least.double() > (exact - eps[:, None]) * scale, _next_down(least),
+        least = torch.where(least.double() > (exact - eps[:, None]) * scale, next_down(least),
                             least)
         assert (screened >= least).all(), metric                           # widen
         # and half a float16 gap is tighter than the output bound of a product of norms
         assert (upper - screened.double()).max() < U16 * float(q16.double().norm(dim=1).max()
-                                                              * search._table_norm)
+                                                              * search.norms.table_largest)
 
 
 def _truncated(x: np.ndarray, unit: np.ndarray) -> np.ndarray:
@@ -135,7 +135,7 @@ def tensor_core_products(q16: torch.Tensor, k16: torch.Tensor, n: int) -> np.nda
 @pytest.mark.parametrize("n", [4, 8, 16])
 def test_the_float16_screening_bound_holds_for_tensor_cores_that_truncate(n):
     d = 64
-    gamma = exact._gamma(d, exact.U32)
+    gamma = screening_error.gamma(d, screening_error.U32)
     # one large product and d - 1 just under its last place: each block drops them all, an
     # error of about twice γ_d·Σ|q_i k_i|, over an IEEE sum's bound, within TENSOR_CORE_GAMMAS
     small = np.float16(2.0 ** -11.5)
@@ -143,7 +143,7 @@ def test_the_float16_screening_bound_holds_for_tensor_cores_that_truncate(n):
     summed = tensor_core_products(row, row, n)[0, 0]
     true = float((row.double() ** 2).sum())
     assert summed == 1.0 and true - summed > 1.9 * gamma * true
-    assert true - summed <= exact.TENSOR_CORE_GAMMAS * gamma * true
+    assert true - summed <= screening_error.TENSOR_CORE_GAMMAS * gamma * true
     # and the screening's ε bounds such sums, on crowded keys and on that row among them
     keys, queries = crowded_keys(seed=5, n=400, d=d, nq=24)
     keys[0], queries[0] = row.numpy()[0], row.numpy()[0]
@@ -162,10 +162,10 @@ def test_next_float16_up_and_down_by_bits():
                            65000.0]).half()
     want_up = np.nextafter(values.numpy(), np.float16(np.inf))
     want_down = np.nextafter(values.numpy(), np.float16(-np.inf))
-    assert np.array_equal(_next_up(values).numpy(), want_up)
-    assert np.array_equal(_next_down(values).numpy(), want_down)
+    assert np.array_equal(next_up(values).numpy(), want_up)
+    assert np.array_equal(next_down(values).numpy(), want_down)
     f32 = torch.tensor([0.5, -3.0, 0.0])
-    assert np.array_equal(_next_down(f32).numpy(), np.nextafter(f32.numpy(), -np.inf))
+    assert np.array_equal(next_down(f32).numpy(), np.nextafter(f32.numpy(), -np.inf))
 
 
 def test_rows_the_bound_cannot_settle_are_widened_in_the_same_precision():
@@ -273,7 +273,7 @@ def test_keys_too_large_for_the_gpu_stream_from_the_host_with_one_line(monkeypat
     keys = crowded_keys()[0][:300]
     search = ExactSearch(keys, "cos", screen="float16")
     monkeypatch.setattr(devices, "free_memory", lambda device: 40_000)
-    assert search._to_gpu(keys) is keys and search.screen == "float32"
+    assert search._to_gpu(keys, search.device) is keys and search.screen == "float32"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stream from the host" in err[0] and "0.0 GiB" in err[0]
 
