@@ -1,6 +1,6 @@
-"""Exact search (gnnlm/retrieval/exact.py): a float16 or float32 screening, certified, returns
-the definition's neighbours and scores bit for bit: on near-ties, exact ties and WikiText-2
-features, with the leakage mask."""
+"""Exact search (gnnlm/retrieval/exact.py, with exact_scores.py and screening_error.py): a
+float16 or float32 screening, certified, returns the definition's neighbours and scores bit for
+bit: on near-ties, exact ties and WikiText-2 features, with the leakage mask."""
 from __future__ import annotations
 
 import numpy as np
