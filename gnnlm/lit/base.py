@@ -20,6 +20,8 @@ from typing import Optional
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch_geometric.data.data import BaseData
 
 from gnnlm.lit.optim import adamw_warmup_cosine
@@ -135,3 +137,19 @@ class TokenLevelModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, self.named_parameters(), self.optim, self.lr_groups())
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping, which its mixed-precision plugin refuses for a fused optimiser
+        under ``bf16-mixed`` too (pytorch-lightning issue 21435): the refusal guards a loss
+        scaler's gradients, which a fused step unscales only inside its kernel, but bf16
+        autocast has no scaler, so its gradients are the true ones. They are clipped here as
+        every other precision plugin clips them."""
+        plugin = self.trainer.precision_plugin
+        if (gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None
+                and getattr(optimizer, "_step_supports_amp_scaling", False)):
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val,
+                                     GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val,
+                                            gradient_clip_algorithm)

@@ -27,6 +27,21 @@ def decay_groups(params: list[torch.nn.Parameter], weight_decay: float,
             {"params": [p for p in params if p.dim() < 2], **options, "weight_decay": 0.0}]
 
 
+def on_cuda(params: list[torch.nn.Parameter]) -> bool:
+    return bool(params) and all(p.is_cuda for p in params)
+
+
+def takes_fused_step(params: list[torch.nn.Parameter], trainer: pl.Trainer) -> bool:
+    """Whether AdamW takes its fused kernel: on CUDA, one launch per step for every parameter
+    (a small model's step is otherwise dozens of launches); elsewhere torch's default, so CPU
+    runs keep their bits. Not under a loss scaler (``16-mixed``) with clipping: the fused step
+    unscales the gradients inside its kernel, so clipping before it would see them scaled
+    (Lightning refuses the pair). ``bf16-mixed`` scales nothing: its gradients are clipped by
+    ``TokenLevelModule.configure_gradient_clipping``."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return on_cuda(params) and not (trainer.gradient_clip_val and scaler is not None)
+
+
 def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, optim: OptimConfig,
                         lr_groups: Sequence[tuple[Iterable[torch.nn.Parameter], float]] = ()
                         ) -> dict:
@@ -46,9 +61,7 @@ def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, opti
     for i, (_, group_lr) in enumerate(lr_groups):
         mine = [p for p in params if own_lr.get(id(p)) == i]
         groups += [g for g in decay_groups(mine, weight_decay, lr=group_lr) if g["params"]]
-    # on CUDA the fused kernel: one launch per step for every parameter (a small model's step
-    # is otherwise dozens of launches); elsewhere torch's default, so CPU runs keep their bits
-    fused = bool(params) and all(p.is_cuda for p in params)
+    fused = takes_fused_step(params, module.trainer)
     optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, fused=fused or None)
     total = max(1, int(module.trainer.estimated_stepping_batches))
     schedule = torch.optim.lr_scheduler.LambdaLR(
