@@ -38,7 +38,6 @@ Every record has its rate and, where one applies, its limit and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import tempfile
 import time
@@ -58,10 +57,13 @@ from gnnlm.lit.gnn import GNNLM
 from gnnlm.models.encode import encode_windows
 from gnnlm.models.gpt import GPT, GPTConfig
 from gnnlm.retrieval.exact import ExactSearch
+from gnnlm.retrieval.exact_scores import COLS, ROWS
 from gnnlm.retrieval.features import encode_into
 from gnnlm.retrieval.kmeans import batched_kmeans, kmeans
 from gnnlm.retrieval.knn import DEFAULT_LAMBDAS, sweep
+from gnnlm.retrieval.screening_error import full_precision
 from gnnlm.utils.devices import torch_device
+from gnnlm.workdir.manifests import write_json_atomic
 
 
 @dataclass
@@ -131,22 +133,13 @@ def limits(s: Shapes, device: torch.device) -> dict:
     for name, dtype in (("bf16_matmul_tflops", torch.bfloat16),
                         ("fp32_matmul_tflops", torch.float32)):
         a = torch.randn(n, n, device=device, dtype=dtype)
-        with _no_tf32():
+        with full_precision():
             seconds = timed(lambda a=a: a @ a, device)
         out[name] = 2 * n ** 3 / seconds / 1e12
     x = torch.empty(1 << (28 if device.type == "cuda" else 24), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     out["copy_gbps"] = 2 * x.numel() / timed(lambda: y.copy_(x), device) / 1e9  # read + write
     return out
-
-
-class _no_tf32:
-    def __enter__(self):
-        self.saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
 # -- retrieval -------------------------------------------------------------------------------
@@ -183,13 +176,33 @@ def retrieval(s: Shapes, device: torch.device) -> dict:
               "ratio": exact_qps / naive_qps, "screen": search.screen,
               "prepare_seconds": prepare, **stats,
               "equal_to_float32_screening": bool(np.array_equal(fast[0], slow[0])
-                                                 and np.array_equal(fast[1], slow[1]))}
+                                                 and np.array_equal(fast[1], slow[1])),
+              "scores_independent_of_position": scores_independent_of_position(search,
+                                                                               queries)}
     points = keys[:s.kmeans_points].float()
     seconds = timed(lambda: kmeans(points, s.lists, 10, metric="ip", spherical=True), device,
                     repeat=1)
     flops = 2 * 10 * s.kmeans_points * s.lists * s.dim
     return {"naive_search_queries_per_s": naive_qps, "exact_search": record,
             "kmeans": {"seconds": seconds, "tflops": flops / seconds / 1e12}}
+
+
+def scores_independent_of_position(search: ExactSearch, queries: torch.Tensor) -> bool:
+    """Whether this device's exact score of a pair is the same wherever the pair sits in the
+    product's tiles, as the exact search's definition takes it to be (a GPU's product may split
+    some tiles' sums otherwise than others'): the first 8,192 keys' scores against 32 queries,
+    the keys reversed, shifted by one column, with 5 query rows, and re-scored in batches."""
+    q = search._queries(queries[:ROWS])
+    ids = torch.arange(min(2 * COLS, search.n), device=search.device)
+    keys = search._rows(ids)
+    scores = search.pair_scores(q, keys)
+    gen = torch.Generator().manual_seed(0)
+    cand = torch.stack([torch.randperm(len(ids), generator=gen)[:min(len(ids), 1537)]
+                        for _ in range(ROWS)]).to(search.device)
+    return (torch.equal(scores, search.pair_scores(q, keys.flip(0)).flip(1))
+            and torch.equal(scores, search.pair_scores(q, torch.cat([keys[-1:], keys]))[:, 1:])
+            and torch.equal(scores[:5], search.pair_scores(q[:5], keys))
+            and torch.equal(scores.gather(1, cand), search._rescore(q, cand)))
 
 
 # -- the base LM -----------------------------------------------------------------------------
@@ -219,12 +232,12 @@ def base_lm(s: Shapes, device: torch.device, compile_step: bool) -> dict:
         model.eval()
         model(tokens[:, :-1])
 
-    with _no_tf32():
+    with full_precision():
         seconds = timed(features, device)
     out["features"] = {"tokens_per_s": s.batch * s.context / seconds,
                        "tflops": lm_flops_per_token(s, model, False) * s.batch * s.context
                        / seconds / 1e12, "precision": "float32"}
-    with _no_tf32():
+    with full_precision():
         out["features_stage"] = features_stage(s, model, device, out["features"]["tokens_per_s"])
     params = list(model.parameters())
     fused = device.type == "cuda"
@@ -450,10 +463,10 @@ def main(argv: list[str] | None = None) -> dict:
                     else f"cpu ({torch.get_num_threads()} threads)",
                     "shapes": shapes.__dict__, "torch": torch.__version__}
 
-    def save() -> None:  # after every part: a time limit keeps what finished
+    def save() -> None:  # after every part, whole: a time limit keeps what finished
         record["seconds"] = time.perf_counter() - t0
         if args.json:
-            args.json.write_text(json.dumps(record, indent=1) + "\n")
+            write_json_atomic(args.json, record)
 
     record["limits"] = limits(shapes, device)
     save()
@@ -490,7 +503,8 @@ def summary(r: dict) -> str:
              f"); of {ex['queries_rows']:,} queries {ex['widened_rows']:,} widened, "
              f"{ex['rescreened_rows']:,} screened again in float32, "
              f"{ex['exhaustive_rows']:,} against every key; equal to float32 screening: "
-             f"{ex['equal_to_float32_screening']}",
+             f"{ex['equal_to_float32_screening']}; a pair's score wherever it sits: "
+             f"{ex['scores_independent_of_position']}",
              f"k-means: {r['kmeans']['seconds']:.2f} s, {r['kmeans']['tflops']:.1f} TFLOP/s "
              f"({r['kmeans']['share_of_fp32_matmul']:.0%} of float32 matmul)",
              f"features: {r['features']['tokens_per_s']:,.0f} tokens/s, "

@@ -19,6 +19,7 @@ def test_every_stage_reports_its_rate_and_limit(tmp_path):
     assert min(limits.values()) > 0
     search = record["exact_search"]
     assert search["equal_to_float32_screening"] is True
+    assert search["scores_independent_of_position"] is True
     assert search["queries_rows"] == record["shapes"]["queries"]
     assert search["queries_per_s"] > 0 and search["limit_naive_queries_per_s"] > 0
     for stage in ("kmeans", "features", "base_lm_step"):

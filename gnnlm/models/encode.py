@@ -135,5 +135,5 @@ def encode_windows(model: BaseLM, tokens: np.ndarray, bos_id: int, context: int,
             positions = torch.cat([torch.arange(s + o, s + e) for s, o, e
                                    in zip(starts[w], offsets, ends)])
             logits = model.logits(final)  # float32 (soft-capped where the model is)
-            logprob = -target_nll(logits, to_device(targets[positions], out))
+            logprob = -target_nll(logits, to_device(targets[positions], logits.device))
         yield EncodedBatch(int(score_from[w[0]]), final, att, logprob)

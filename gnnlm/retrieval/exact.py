@@ -40,7 +40,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from gnnlm.retrieval.exact_scores import ROWS, ExactScores, negative_squared_distance
+from gnnlm.retrieval.exact_scores import (
+    ROWS,
+    ExactScores,
+    negative_squared_distance,
+    squared_norms,
+)
 from gnnlm.retrieval.screening_error import (
     KeyNorms,
     full_precision,
@@ -55,6 +60,9 @@ from gnnlm.utils.progress import say
 SCREENS = ("auto", "float16", "float32")
 CPU_SCORE_ELEMENTS = 1 << 24        # screening scores per step on the CPU (64 MB of float32)
 GPU_SCORE_BYTES = 8 << 30           # at most this much GPU memory for screening scores
+# and fewer scores than 2^31 per step: past it, CUDA's kernels (product, top-k, comparison,
+# nonzero) index in 64 bits, a path far less used than the one the table's shapes can keep to
+GPU_SCORE_ELEMENTS = (1 << 31) - 1
 COUNT_ELEMENTS = 1 << 28            # mask entries a widening count converts at once (1 GB)
 WIDEST = 16     # a widened row re-scores at most this many times M keys (else: the next step)
 
@@ -161,7 +169,7 @@ class ExactSearch(ExactScores):
         b = qs.shape[0]
         table = self._table if screen == "float16" else None
         span, rows = self._steps(b, qs.element_size(), table is not None)
-        q_sq = (qs * qs).sum(1) if self.metric == "l2" else None  # l2: float32, qs is q
+        q_sq = squared_norms(qs) if self.metric == "l2" else None  # l2: float32, qs is q
         # one score buffer for every step: a fresh one per step (first-touched) cost ~30% on CPU
         buffer = qs.new_empty(min(rows, b) * span)
         for start in range(0, self.n, span):
@@ -247,17 +255,18 @@ class ExactSearch(ExactScores):
 
     def _steps(self, b: int, itemsize: int, resident_table: bool) -> tuple[int, int]:
         """``(keys, queries)`` per screening product. On the CPU 2^24 scores (64 MB) over
-        ``chunk`` keys; on CUDA a score budget of a quarter of free memory (at most 8 GiB),
-        spent on every key at once when a block of up to 2,048 queries fits (one top-k per
-        block) and the float16 table is resident, else on ``chunk`` keys."""
+        ``chunk`` keys; on CUDA a score budget of a quarter of free memory (at most 8 GiB, and
+        under 2^31 scores), spent on every key at once (one top-k per block of queries) for as
+        many queries as fit, up to 2,048, when the float16 table is resident, else on ``chunk``
+        keys."""
+        span = min(self.chunk, self.n)
         if self.device.type != "cuda":
-            span = min(self.chunk, self.n)
             return span, max(ROWS, min(b, CPU_SCORE_ELEMENTS // span))
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = min(GPU_SCORE_BYTES, free // 4) // itemsize
-        span = min(self.chunk, self.n)
+        budget = min(GPU_SCORE_BYTES // itemsize, free // 4 // itemsize, GPU_SCORE_ELEMENTS)
         if resident_table:
-            span = max(span, min(self.n, budget // max(ROWS, min(b, 2048))))
+            block = max(ROWS, min(b, 2048, budget // self.n))
+            span = max(span, min(self.n, budget // block))
         return span, max(ROWS, min(b, budget // span))
 
     # -- the search ----------------------------------------------------------------------------

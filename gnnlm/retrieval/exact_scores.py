@@ -16,6 +16,7 @@ neighbours fast.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -37,6 +38,28 @@ def _host_rows(rows: np.ndarray) -> torch.Tensor:
     times slower, and both are exact. A read-only view is copied (torch takes writable memory)."""
     rows = np.ascontiguousarray(rows)
     return torch.from_numpy(rows if rows.flags.writeable else rows.copy())
+
+
+def _row_by_row(reduce: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                ) -> torch.Tensor:
+    """``reduce(x)`` for rows ``x`` [r, d] whose row-wise sums must not depend on r. CUDA sums
+    fewer than 16 rows with more threads to a row than 16 or more, i.e. in another order: a key
+    or query read with few others (the last of a split, a prompt, a widened row) would round
+    otherwise than in a full block. Fewer than ``ROWS`` rows are zero-padded to ``ROWS``."""
+    r = x.shape[0]
+    if r >= ROWS:
+        return reduce(x)
+    return reduce(torch.cat([x, x.new_zeros(ROWS - r, *x.shape[1:])]))[:r]
+
+
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [r, d] scaled to unit length, as cos reads keys and queries."""
+    return _row_by_row(lambda t: F.normalize(t, dim=1, eps=1e-12), x)
+
+
+def squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """|x|² [r] of rows ``x`` [r, d], as l2 reads them."""
+    return _row_by_row(lambda t: (t * t).sum(1), x)
 
 
 def negative_squared_distance(products: torch.Tensor, q_sq: torch.Tensor,
@@ -108,7 +131,7 @@ class ExactScores:
             self.largest_norm = max(self.largest_norm, float(
                 torch.linalg.vector_norm(rows.double(), dim=1).max()))
             if self.metric == "l2":
-                k_sq.append((rows * rows).sum(1))
+                k_sq.append(squared_norms(rows))
         if k_sq:
             self._k_sq = torch.cat(k_sq)
 
@@ -120,7 +143,7 @@ class ExactScores:
             rows = self.keys[start:stop].to(device=self.device, dtype=torch.float32)
         else:
             rows = _host_rows(self.keys[start:stop]).to(self.device, torch.float32)
-        return F.normalize(rows, dim=1, eps=1e-12) if self.metric == "cos" else rows
+        return unit_rows(rows) if self.metric == "cos" else rows
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Keys at ``ids`` (sorted, on the device) as ``_range`` gives them."""
@@ -129,7 +152,7 @@ class ExactScores:
                 device=self.device, dtype=torch.float32)
         else:
             rows = _host_rows(self.keys[ids.cpu().numpy()]).to(self.device, torch.float32)
-        return F.normalize(rows, dim=1, eps=1e-12) if self.metric == "cos" else rows
+        return unit_rows(rows) if self.metric == "cos" else rows
 
     # -- the exact scores ----------------------------------------------------------------------
     def _queries(self, queries: Any) -> torch.Tensor:
@@ -141,7 +164,7 @@ class ExactScores:
         if q.ndim != 2 or q.shape[1] != self.d:
             raise ValueError(f"queries must be [n, {self.d}] like the keys "
                              f"(got {tuple(q.shape)}).")
-        return F.normalize(q, dim=1, eps=1e-12) if self.metric == "cos" else q
+        return unit_rows(q) if self.metric == "cos" else q
 
     def _tile_products(self, q_tiles: torch.Tensor, key_tiles: torch.Tensor) -> torch.Tensor:
         """``[n, 32, 4096]`` float32 products of query tiles ``q_tiles`` [n, 32, d] and key
@@ -181,7 +204,7 @@ class ExactScores:
                                      keys.view(tiles, COLS, self.d))       # [tiles, 32, 4096]
         scores = scores.transpose(0, 1).reshape(ROWS, tiles * COLS)[:r, :u]
         if self.metric == "l2" and k_sq is not None:
-            scores = negative_squared_distance(scores, (q * q).sum(1)[:, None], k_sq[None])
+            scores = negative_squared_distance(scores, squared_norms(q)[:, None], k_sq[None])
         return scores
 
     def _rescore(self, q: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
@@ -233,7 +256,7 @@ class ExactScores:
             if self.metric == "l2" and self._k_sq is not None:   # as pair_scores computes it
                 rows = q[g0 * ROWS:(g0 + g) * ROWS]
                 scores = negative_squared_distance(
-                    scores, (rows * rows).sum(1).view(g, ROWS, 1),
+                    scores, squared_norms(rows).view(g, ROWS, 1),
                     self._k_sq[union[g0:g0 + g, :t * COLS]].view(g, 1, -1))
             out[g0:g0 + g] = scores.gather(2, where[g0:g0 + g])
             g0 += g

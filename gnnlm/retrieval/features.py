@@ -262,9 +262,10 @@ def build_output_embedding(model: BaseLM, workdir: Workdir) -> dict:
         return read_manifest(out_dir)
     weight, bias = model.output_embedding()
     with builder:
-        builder.array("weight", np.float32, weight.shape)[...] = weight.detach().float().numpy()
+        # (.cpu(): a model placed by device_map keeps its weights on its GPU)
+        builder.array("weight", np.float32, weight.shape)[...] = weight.detach().float().cpu()
         if bias is not None:
-            builder.array("bias", np.float32, bias.shape)[...] = bias.detach().float().numpy()
+            builder.array("bias", np.float32, bias.shape)[...] = bias.detach().float().cpu()
         return builder.finish(extra={"base_lm": model.identity(),
                                      "vocab_size": int(weight.shape[0]),
                                      "dim": int(weight.shape[1])})

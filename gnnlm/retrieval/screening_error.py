@@ -90,14 +90,27 @@ def screening_queries(q: torch.Tensor, screen: str, metric: str, keys: KeyNorms
 @contextmanager
 def full_precision() -> Iterator[None]:
     """float32 products in float32 (no TF32, which a Lightning run may have switched on) and
-    float16 products accumulated in float32 (cuBLAS may otherwise reduce in float16)."""
+    float16 products accumulated in float32 (cuBLAS may otherwise reduce in float16); the
+    settings as they were after. TF32 is set through the API torch has (``fp32_precision``
+    from torch 2.9): a setting made by ``torch.set_float32_matmul_precision`` and restored
+    through ``allow_tf32`` leaves a state that torch then refuses to read, as Lightning does
+    when it starts on a GPU."""
     matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction)
-    matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = False, False
+    wanted: dict[str, object] = {"allow_fp16_reduced_precision_reduction": False}
+    if hasattr(matmul, "fp32_precision"):
+        wanted["fp32_precision"] = "ieee"
+    else:
+        wanted["allow_tf32"] = False
+    if hasattr(matmul, "allow_fp16_accumulation"):  # torch >= 2.7: float16 sums in float16
+        wanted["allow_fp16_accumulation"] = False
+    saved = {name: getattr(matmul, name) for name in wanted}
+    for name, value in wanted.items():
+        setattr(matmul, name, value)
     try:
         yield
     finally:
-        matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction = saved
+        for name, value in saved.items():
+            setattr(matmul, name, value)
 
 
 def half_products_accumulate_in_float32(device: torch.device, d: int, seed: int = 0) -> bool:

@@ -3,11 +3,13 @@ float16 or float32 screening, certified, returns the definition's neighbours and
 bit: on near-ties, exact ties and WikiText-2 features, with the leakage mask."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
 
-from gnnlm.retrieval import exact, screening_error
+from gnnlm.retrieval import exact, exact_scores, screening_error
 from gnnlm.retrieval.exact import ExactSearch
 from gnnlm.retrieval.features import open_features
 from gnnlm.retrieval.neighbors import NeighborsConfig, build_neighbors, open_neighbors
@@ -236,6 +238,23 @@ def test_a_batched_product_gives_the_bits_of_one_product_per_tile_on_the_cpu():
     assert torch.equal(per_tile[0], torch.mm(q[0], torch.cat([k[0], k[1]]).T)[:, :4096])
 
 
+def test_row_norms_are_taken_over_at_least_32_rows_so_no_row_depends_on_how_many_came():
+    """CUDA sums fewer than 16 rows in another order than 16 or more: the last queries of a
+    split, a prompt's or a widened row's would round otherwise than in a full block."""
+    x = torch.randn(40, 24, generator=torch.Generator().manual_seed(0))
+    reduced = []
+
+    def sums(t):
+        reduced.append(t.shape[0])
+        return (t * t).sum(1)
+
+    for r in (1, 3, 31, 32, 40):
+        assert torch.equal(exact_scores._row_by_row(sums, x[:r]), (x[:r] * x[:r]).sum(1))
+        assert reduced.pop() == max(r, exact.ROWS)
+        assert torch.equal(exact_scores.unit_rows(x[:r]), exact_scores.unit_rows(x)[:r])
+        assert torch.equal(exact_scores.squared_norms(x[:r]), exact_scores.squared_norms(x)[:r])
+
+
 def test_k_beyond_the_datastore_pads_with_minus_one():
     keys, queries = crowded_keys()
     keys, queries = keys[:50], queries[20:]
@@ -267,6 +286,53 @@ def test_half_products_summed_in_half_precision_are_caught_and_screened_in_float
     assert ExactSearch(keys, "cos", screen="float16").screen == "float32"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "screening in float32" in err[0]
+
+
+@pytest.mark.parametrize("setting", ["torch.set_float32_matmul_precision('highest')",
+                                     "torch.set_float32_matmul_precision('high')",
+                                     "torch.set_float32_matmul_precision('medium')",
+                                     "torch.backends.cuda.matmul.allow_tf32 = True"])
+def test_full_precision_turns_tf32_off_and_leaves_the_setting_readable_after(setting):
+    """As a user sets TF32 before a run (Lightning suggests 'medium' on tensor cores): inside,
+    float32 products in float32 and float16 ones summed in float32; after, the setting as it
+    was, which Lightning reads again when the next stage starts on a GPU."""
+    matmul = torch.backends.cuda.matmul
+    before = torch.get_float32_matmul_precision()
+    try:
+        exec(setting)
+        was = torch.get_float32_matmul_precision()
+        with screening_error.full_precision():
+            assert not matmul.allow_fp16_reduced_precision_reduction
+            if hasattr(matmul, "fp32_precision"):
+                assert matmul.fp32_precision == "ieee"
+            else:
+                assert not matmul.allow_tf32
+            if hasattr(matmul, "allow_fp16_accumulation"):
+                assert not matmul.allow_fp16_accumulation
+        assert torch.get_float32_matmul_precision() == was
+        assert matmul.allow_tf32 == (was != "highest")
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("n", [50_000, 2_088_628, 103_000_000])
+@pytest.mark.parametrize("free_gib", [139, 20, 3])
+def test_a_gpu_screening_step_scores_every_key_for_as_many_queries_as_fit(n, free_gib,
+                                                                          monkeypatch):
+    """The steps an H200 (or a GPU with less free memory) would take, planned on the CPU:
+    fewer than 2^31 scores a step, every key at once for a block of queries wherever 32 fit,
+    and the table's 2.09M keys in blocks of 1,028 queries on an H200."""
+    plan = types.SimpleNamespace(device=torch.device("cuda"), chunk=65536, n=n)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free_gib << 30, 141 << 30))
+    budget = min(exact.GPU_SCORE_BYTES, (free_gib << 30) // 4) // 2   # float16 scores
+    for b in (10, 2048, 300_000):
+        span, rows = ExactSearch._steps(plan, b, 2, resident_table=True)
+        assert rows * span <= min(budget, exact.GPU_SCORE_ELEMENTS) and rows >= exact.ROWS
+        assert (span == n) == (exact.ROWS * n <= min(budget, exact.GPU_SCORE_ELEMENTS))
+    if n == 2_088_628 and free_gib == 139:
+        assert ExactSearch._steps(plan, 2048, 2, resident_table=True) == (n, 1028)
+    span, rows = ExactSearch._steps(plan, 2048, 4, resident_table=False)   # float32, streamed
+    assert span == min(65536, n) and rows * span <= exact.GPU_SCORE_ELEMENTS
 
 
 def test_keys_too_large_for_the_gpu_stream_from_the_host_with_one_line(monkeypatch, capsys):
