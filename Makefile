@@ -84,6 +84,7 @@ CARRY_PYTHON ?= 3.12
 CARRY_WHEELS ?= faiss-cpu==1.15.1 jsonargparse==4.53.0 docstring-parser==0.18.0 \
                 typeshed-client==2.14.0
 gpu-carry: setup
+	rm -rf .whl  # one version of each wheel: a second stops the whole install there
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d .whl \
 	    --python-version $(CARRY_PYTHON) --implementation cp --platform manylinux_2_28_x86_64 \
 	    --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

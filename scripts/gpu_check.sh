@@ -2,17 +2,21 @@
 # scripts/gpu_check.sh OUT [--rehearsal] [--section.field=value ...]
 #
 # The one command a GPU machine runs, from a bare machine with the carried wheels and WikiText-2
-# (make gpu-carry), from the repository root, each part under its own time limit so that the
-# whole stays under 560 s and what finished is kept when a limit is hit:
+# (make gpu-carry), from the repository root, each part under its own time limit and the whole
+# under CHECK_SECONDS (590: a device command's 600 s, less the copies at the end), what finished
+# kept when a limit is hit:
 #   1. benchmarks/bench_gpu.py: each stage's rate next to this GPU's limits (BENCH_SECONDS, 60;
 #      at the table's shapes on a GPU, small ones on a CPU; BENCH_SECONDS=0 skips it, as a
 #      rehearsal before the table may);
-#   2. the table, scripts/gpu_table.sh with configs/wikitext2/pipeline.yaml (TABLE_SECONDS, 480),
-#      or with --rehearsal the slice-size rehearsal (configs/tests/gpu_rehearsal.yaml) instead;
-#      further arguments overlay the pipeline config.
-# It leaves six files in OUT: bench_gpu.json, results.json, results.md and stage_times.json (the
-# table's, as far as it got), pipeline.log (everything the console showed) and records.tar.gz
-# (every artifact's manifest, the plots, the per-token test scores, environment.txt).
+#   2. the table, scripts/gpu_table.sh with configs/wikitext2/pipeline.yaml (TABLE_SECONDS, 480,
+#      or what the whole's limit leaves after the benchmark and a stopped table's exit), or with
+#      --rehearsal the slice-size rehearsal (configs/tests/gpu_rehearsal.yaml) instead; further
+#      arguments overlay the pipeline config.
+# It leaves seven files in OUT: bench_gpu.json, results.json, results.md and stage_times.json
+# (the table's, as far as it got), pipeline.log (everything the console showed),
+# test_logprobs.npz (the per-token test scores, when under 15 MiB) and
+# records.tar.gz (every artifact's manifest, the plots, environment.txt). It exits 3 when the
+# table stopped at its limit, with what it reached.
 set -uo pipefail
 SECONDS=0
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
@@ -32,6 +36,12 @@ fi
 source "$(dirname "${BASH_SOURCE[0]}")/carried.sh"
 log=$out/pipeline.log
 table=${GNNLM_CHECK_TABLE:-${TMPDIR:-/tmp}/gnnlm-gpu-check}
+# an earlier run's copies (the rehearsal before the table) must not pass for this one's
+for name in results.json results.md stage_times.json environment.txt pipeline.log \
+        test_logprobs.npz; do
+    rm -f "$table/$name"
+done
+rm -f "$table"/*.png
 
 bench=${BENCH_SECONDS:-60}
 if [ "$bench" = 0 ]; then  # (timeout 0 would mean no limit at all)
@@ -44,18 +54,32 @@ else
         | tee -a "$log"
 fi
 
-echo "gpu_check.sh: the table${overlay[*]:+ (${overlay[*]})}, at most ${TABLE_SECONDS:-480} s" | tee -a "$log"
-GNNLM_TABLE_SECONDS=${TABLE_SECONDS:-480} bash "$repo/scripts/gpu_table.sh" "$table" "${overlay[@]}" "$@" \
+# the table's limit: its own, or what the whole's leaves once a stopped table has exited
+# (gpu_table.sh gives it 30 s after SIGTERM), whichever is less
+table_seconds=$(( ${CHECK_SECONDS:-590} - SECONDS - 30 ))
+[ "$table_seconds" -gt "${TABLE_SECONDS:-480}" ] && table_seconds=${TABLE_SECONDS:-480}
+echo "gpu_check.sh: the table${overlay[*]:+ (${overlay[*]})}, at most $table_seconds s" | tee -a "$log"
+GNNLM_TABLE_SECONDS=$table_seconds bash "$repo/scripts/gpu_table.sh" "$table" "${overlay[@]}" "$@" \
     2>&1 | tee -a "$log"
 status=${PIPESTATUS[0]}
+if [ "$status" = 124 ] || [ "$status" = 137 ]; then
+    echo "gpu_check.sh: the table stopped at its limit of $table_seconds s" | tee -a "$log"
+    status=3  # its own limit, not the device command's
+fi
 echo "gpu_check.sh: the table ended with status $status after $SECONDS s in all" | tee -a "$log"
 
 for name in results.json results.md stage_times.json; do
     [ -f "$table/$name" ] && cp "$table/$name" "$out/"
 done
-# the records: manifests of every artifact the run reached, plots, per-token scores
+scores=$table/test_logprobs.npz
+if [ -f "$scores" ] && [ "$(stat -c %s "$scores")" -le $((15 << 20)) ]; then
+    cp "$scores" "$out/"
+elif [ -f "$scores" ]; then
+    echo "gpu_check.sh: test_logprobs.npz left out: over 15 MiB" | tee -a "$log"
+fi
+# the records: manifests of every artifact the run reached, plots, the environment
 ( find runs -name manifest.json 2>/dev/null
-  find "$table" -maxdepth 1 \( -name '*.png' -o -name 'test_logprobs.npz' -o -name environment.txt \) ) \
+  find "$table" -maxdepth 1 \( -name '*.png' -o -name environment.txt \) ) \
     | tar czf "$out/records.tar.gz" -T - 2>/dev/null
 ls -l "$out" | tee -a "$log"
 exit "$status"

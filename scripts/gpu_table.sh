@@ -12,8 +12,9 @@
 #   5. leaves in OUTDIR: results.json (every row, the device and versions, each stage's build
 #      time), results.md, stage_times.json (this run's wall time of every stage), the plots,
 #      test_logprobs.npz, environment.txt and pipeline.log (what the console showed).
-# GNNLM_TABLE_SECONDS=N stops the run after N seconds (SIGTERM): what finished is kept, and
-# stage_times.json says where it stopped (scripts/gpu_check.sh sets it).
+# GNNLM_TABLE_SECONDS=N stops the run N seconds after this script started (SIGTERM, then
+# SIGKILL 30 s later): what finished is kept, and stage_times.json says where it stopped
+# (scripts/gpu_check.sh sets it).
 # A run stopped part-way resumes where it stopped when run again (each stage's artifact is
 # complete or is built again; a killed training run restarts from its last checkpoint).
 #
@@ -47,8 +48,10 @@ mkdir -p "$out"
 # 4. every stage, offline; the console's lines are kept in the log. With GNNLM_TABLE_SECONDS
 # the run is told to stop (SIGTERM) after that many seconds: it stops at once, keeps every
 # finished artifact and chunk, and still leaves stage_times.json (what it reached) in OUTDIR.
+# The limit counts from this script's start (the install and the check above included).
 limit=()
-[ -n "${GNNLM_TABLE_SECONDS:-}" ] && limit=(timeout -s TERM -k 30 "$GNNLM_TABLE_SECONDS")
+[ -n "${GNNLM_TABLE_SECONDS:-}" ] &&  # (timeout 0 would mean no limit at all)
+    limit=(timeout -s TERM -k 30 "$(( GNNLM_TABLE_SECONDS > SECONDS ? GNNLM_TABLE_SECONDS - SECONDS : 1 ))")
 "${limit[@]}" "$python" -m gnnlm.cli pipeline -c configs/wikitext2/pipeline.yaml "$@" \
     --copy_report_to "$out" 2>&1 | tee "$out/pipeline.log"
 

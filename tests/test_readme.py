@@ -509,7 +509,7 @@ def test_the_gpu_budget_is_the_configs_time_limits_and_fits_the_check_s_limit():
     """The README's budget of the GPU table: each `max_time` row is its config's limit (times
     the rows that share it), every trained part of pipeline.yaml has a limit in the table, and
     the parts add up to the total, which is the table's limit in scripts/gpu_check.sh (480 s,
-    after the benchmark's 60 s: under 560 s in all)."""
+    after the benchmark's 60 s, within the whole's 590 s)."""
     from gnnlm.pipeline.config_files import merged_yaml
 
     section = _section("### On one GPU")
@@ -521,7 +521,9 @@ def test_the_gpu_budget_is_the_configs_time_limits_and_fits_the_check_s_limit():
     table_limit = int(re.search(r"TABLE_SECONDS:-(\d+)", check).group(1))
     bench_limit = int(re.search(r"BENCH_SECONDS:-(\d+)", check).group(1))
     assert sum(budget.values()) == total <= table_limit == 480
-    assert table_limit + bench_limit <= 560 - 20    # and the check's own start
+    check_limit = int(re.search(r"CHECK_SECONDS:-(\d+)", check).group(1))
+    # and the install before the benchmark, and a stopped table's 30 s to exit
+    assert table_limit + bench_limit <= check_limit - 20 - 30 and check_limit <= 590
     limited = {re.search(r"`(\w+\.yaml)`, `max_time`", name).group(1): (name, seconds)
                for name, seconds in budget.items() if "`max_time`" in name}
     pipeline = yaml.safe_load((REPO / "configs/wikitext2/pipeline.yaml").read_text())

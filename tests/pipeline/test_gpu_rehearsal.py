@@ -46,7 +46,7 @@ def rehearsal(wikitext_root, tmp_path_factory):
     env = {**os.environ, "PYTHON": sys.executable, "GNNLM_DATA": str(wikitext_root),
            "GNNLM_WHEELS": str(cwd / "no-wheels"), "GNNLM_SITE": str(cwd / "site"),
            "GNNLM_CHECK_TABLE": str(cwd / "table"), "BENCH_SECONDS": "900",
-           "TABLE_SECONDS": "2700"}
+           "TABLE_SECONDS": "2700", "CHECK_SECONDS": "3600"}
     result = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "out",
                              "--rehearsal"], cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=3600)
@@ -77,12 +77,14 @@ def test_every_row_of_the_gpu_table_is_scored_on_the_same_tokens(rehearsal, resu
     assert "+GNN+kNN" in (rehearsal[1] / "pipeline.log").read_text()
 
 
-def test_the_check_leaves_six_files_the_bench_and_the_records(rehearsal, results):
+def test_the_check_leaves_seven_files_the_bench_and_the_records(rehearsal, results):
     out = rehearsal[2]
     assert sorted(p.name for p in out.iterdir()) == [
         "bench_gpu.json", "pipeline.log", "records.tar.gz", "results.json", "results.md",
-        "stage_times.json"]
+        "stage_times.json", "test_logprobs.npz"]
     assert json.loads((out / "results.json").read_text()) == results
+    assert (out / "test_logprobs.npz").read_bytes() == (
+        rehearsal[1] / "test_logprobs.npz").read_bytes()
     bench = json.loads((out / "bench_gpu.json").read_text())
     assert bench["shapes"]["keys"] == 20_000                       # small shapes on a CPU
     assert bench["exact_search"]["equal_to_float32_screening"] is True
@@ -91,7 +93,6 @@ def test_the_check_leaves_six_files_the_bench_and_the_records(rehearsal, results
     with tarfile.open(out / "records.tar.gz") as tar:
         names = tar.getnames()
     assert any(n.endswith("models/gnn/manifest.json") for n in names)
-    assert any(n.endswith("test_logprobs.npz") for n in names)
     assert any(n.endswith("environment.txt") for n in names)
 
 
