@@ -38,8 +38,10 @@ def takes_fused_step(params: list[torch.nn.Parameter], trainer: pl.Trainer) -> b
     unscales the gradients inside its kernel, so clipping before it would see them scaled
     (Lightning refuses the pair). ``bf16-mixed`` scales nothing: its gradients are clipped by
     ``TokenLevelModule.configure_gradient_clipping``."""
+    if not on_cuda(params):
+        return False
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    return on_cuda(params) and not (trainer.gradient_clip_val and scaler is not None)
+    return not (trainer.gradient_clip_val and scaler is not None)
 
 
 def adamw_warmup_cosine(module: pl.LightningModule, named_params: Iterable, optim: OptimConfig,
