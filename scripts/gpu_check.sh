@@ -3,8 +3,8 @@
 #
 # The one command a GPU machine runs, from a bare machine with the carried wheels and WikiText-2
 # (make gpu-carry), from the repository root, each part under its own time limit and the whole
-# under CHECK_SECONDS (590: a device command's 600 s, less the copies at the end), what finished
-# kept when a limit is hit:
+# under CHECK_SECONDS (590, the copies at the end left out), what finished kept when a limit is
+# hit:
 #   1. benchmarks/bench_gpu.py: each stage's rate next to this GPU's limits (BENCH_SECONDS, 60;
 #      at the table's shapes on a GPU, small ones on a CPU; BENCH_SECONDS=0 skips it, as a
 #      rehearsal before the table may);
@@ -64,7 +64,7 @@ GNNLM_TABLE_SECONDS=$table_seconds bash "$repo/scripts/gpu_table.sh" "$table" "$
 status=${PIPESTATUS[0]}
 if [ "$status" = 124 ] || [ "$status" = 137 ]; then
     echo "gpu_check.sh: the table stopped at its limit of $table_seconds s" | tee -a "$log"
-    status=3  # its own limit, not the device command's
+    status=3  # its own limit, told from a stop from outside (timeout's 124)
 fi
 echo "gpu_check.sh: the table ended with status $status after $SECONDS s in all" | tee -a "$log"
 

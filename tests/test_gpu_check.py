@@ -47,7 +47,7 @@ def test_bench_seconds_0_skips_the_benchmark(wikitext_root, tmp_path):
 def test_the_table_s_limit_keeps_the_whole_within_check_seconds_and_exits_3(wikitext_root,
                                                                            tmp_path):
     """The table gets what the whole's limit leaves less a stopped table's 30 s to exit; a
-    table stopped at its limit exits 3 (its own limit, not the device command's)."""
+    table stopped at its limit exits 3 (its own limit, told from a stop from outside)."""
     status, log = check(wikitext_root, tmp_path, CHECK_SECONDS="33")
     limit = int(re.search(r"the table \(.*\), at most (\d+) s", log).group(1))
     assert 1 <= limit <= 3 and status == 3, log[-3000:]
