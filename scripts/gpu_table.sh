@@ -39,6 +39,11 @@ shift
 # 1-2. carried wheels in a folder of their own, first on the path; the corpus from disk
 source "$(dirname "${BASH_SOURCE[0]}")/carried.sh"
 
+# an earlier run's copies in OUTDIR (the rehearsal before the table) must not pass for this
+# run's when it stops before its report: the work directory, not OUTDIR, is what resumes
+rm -f "$out"/results.json "$out"/results.md "$out"/stage_times.json "$out"/test_logprobs.npz \
+    "$out"/*.png
+
 # 3. what this machine has: every package a stage imports, checked before the first stage
 mkdir -p "$out"
 "$python" -m gnnlm.utils.environment \
