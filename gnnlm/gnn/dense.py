@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from gnnlm.gnn.graph import CTX_INTRA, NBR_INTER, NBR_INTRA, GraphConfig
 from gnnlm.gnn.layer import GNNLMConv, GNNStack
 from gnnlm.gnn.settings import GraphLayout
-from gnnlm.utils.tensor_digest import tensor_digest
+from gnnlm.utils.tensor_digest import autocast_state, tensor_digest
 
 
 @dataclass
@@ -159,12 +159,13 @@ def fold(lin: nn.Linear, relation: Tensor, weights_key: Optional[Hashable] = Non
     that has just digested weights including these passes that digest as ``weights_key``
     (``WindowStates.weights_key``: the whole stack's, taken once per batch or decoding step),
     so that the 4 maps of each layer are not digested again one by one; without it,
-    ``relation`` and ``lin`` are digested here."""
+    ``relation`` and ``lin`` are digested here. A map is kept per autocast state as well:
+    under bf16 autocast it is folded in bf16."""
     if torch.is_grad_enabled():
         return _fold(lin, relation)
     if weights_key is None:
         weights_key = tensor_digest([relation, lin.weight, lin.bias])
-    key = (id(relation), weights_key)
+    key = (id(relation), weights_key, autocast_state(relation.device))
     kept = lin.__dict__.setdefault("_folded", {})
     if key not in kept:
         if len(kept) >= 8:  # maps of earlier weights: a map reads at most two relations

@@ -51,7 +51,10 @@ class ResidentPQ:
         rows = self.codes.index_select(0, positions).int() + self.offsets          # [n, m]
         x = self.centroids.index_select(0, rows.flatten()).view(len(positions), self.dim)
         if self.rotation is not None:  # y = A x + b with A orthonormal: x = Aᵀ (y − b)
-            x = (x - self.bias if self.bias is not None else x) @ self.rotation
+            # in float32 under the trainer's autocast too, as the host decodes it: bf16 here
+            # would make the window nodes' whole residual stream bf16
+            with torch.autocast(positions.device.type, enabled=False):
+                x = (x - self.bias if self.bias is not None else x) @ self.rotation
         return x
 
 

@@ -46,7 +46,7 @@ from gnnlm.gnn.node_features import HostFeatures, NodeFeatureReader
 from gnnlm.gnn.settings import GraphLayout
 from gnnlm.utils import devices
 from gnnlm.utils.progress import say
-from gnnlm.utils.tensor_digest import tensor_digest
+from gnnlm.utils.tensor_digest import autocast_state, tensor_digest
 
 
 class WindowStates:
@@ -92,8 +92,10 @@ class WindowStates:
     # -- the table ------------------------------------------------------------------------
     def _weights_key(self, device: torch.device) -> tuple:
         """Changes whenever a parameter or buffer changes, however it was written: a digest of
-        the bits (``_version`` misses writes through ``.data`` and fused optimiser steps)."""
-        return (str(device), tensor_digest([*self.stack.parameters(), *self.stack.buffers()]))
+        the bits (``_version`` misses writes through ``.data`` and fused optimiser steps); and
+        with the autocast the windows are computed under (bf16 autocast gives other numbers)."""
+        return (str(device), autocast_state(device),
+                tensor_digest([*self.stack.parameters(), *self.stack.buffers()]))
 
     @property
     def weights_key(self) -> Optional[tuple]:

@@ -7,10 +7,13 @@
 
 ``generate()`` gives a logits processor the scores of the next token, not the hidden states, so
 the processor reads the query where the pipeline read it: a forward hook at the work
-directory's key path (``final`` or ``att``, ``gnnlm.models.hf``) keeps the last forward pass's
-feature, whose last position is the query. It is searched as the pipeline searched
+directory's key paths (``final`` and ``att``, ``gnnlm.models.hf``) keeps the last forward
+pass's features, whose last position is the query. It is searched as the pipeline searched
 (``gnnlm.retrieval.lookup``), and the scores are replaced by kNN-LM's log p (Khandelwal et al.
-2020): log((1 − λ)·softmax(scores) + λ·p_kNN), with the row's fitted k, T and λ.
+2020): log((1 − λ)·p_LM + λ·p_kNN), with the row's fitted k, T and λ. p_LM is the work
+directory's, the softmax of float32 logits of the ``final`` feature, not of the scores
+``generate()`` hands over, which a model in bf16 (as on a GPU) rounds to bf16 (a logit near 30
+to a step of 0.125).
 
 The prompt must open as the work directory's streams do (``gnnlm.text.bos``): with its BOS,
 which a GPT-2-style tokenizer does not add (``TrainedLM.prompt_ids`` builds the ids); other
@@ -23,7 +26,7 @@ Hugging Face's own processors (``bad_words_ids``, ``suppress_tokens``, ``min_new
 ban, forced BOS/EOS, ``no_repeat_ngram_size``, ``repetition_penalty``, ``sequence_bias``, ...)
 act on kNN-LM's distribution, as they act on a model's: ``generate`` builds them before a user's
 processors, so the processor puts itself first in the list ``generate`` builds
-(``_RunFirst``): it mixes the model's own scores, and those processors then ban and penalise the
+(``_RunFirst``): it mixes the model's own distribution, and those processors then ban and penalise the
 mixture (a banned word a neighbour holds stays banned; a penalty applies to kNN-LM's log p,
 as Hugging Face's beam search applies processors to log-probabilities). A token that reaches
 it already at −inf (processors applied by hand before it) stays at −inf. Assisted, speculative
@@ -101,14 +104,16 @@ class KNNLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor
                  ) -> torch.FloatTensor:
         self.check_prompt(input_ids)
-        features = self.adapter.take_captured(self.key)                     # [B, T, d]
-        if features is None:
+        features = self.adapter.take_captured()                             # [B, T, d] each
+        if self.key not in features:
             raise NotServed(ONE_QUERY)
-        query = stored(features[:, -1].float().cpu().numpy())               # [B, d]
+        query = stored(features[self.key][:, -1].float().cpu().numpy())     # [B, d]
         sims, ids = self.lookup.search(query)
         sims = self.lookup.knn_sims(query, sims, ids, self.scores)
         words, knn = knn_support(sims, self.lookup.values(ids), *self.settings.knn())
-        model = torch.log_softmax(scores.float(), dim=-1).cpu()
+        # p_LM as the work directory's rows compute it: float32 logits of the final feature
+        # (the model's own scores are its lm_head's, rounded to its dtype: bf16 on a GPU)
+        model = torch.log_softmax(self.adapter.logits(features["final"][:, -1]), -1).cpu()
         mixed = interpolate_support(model, words, knn, self.settings.weight)
         # a token banned before the mixture (-inf) stays banned after it
         mixed = mixed.masked_fill(torch.isneginf(scores).cpu(), -torch.inf)
@@ -186,9 +191,14 @@ def check_base_lm(lm: TrainedLM, adapter: HFCausalLM) -> None:
     gguf = gguf_file(lm.base_lm_spec)
     if gguf is None:
         if adapter.fingerprint() != identity["fingerprint"]:
+            dtype = identity.get("dtype", "float32")
+            held = str(adapter.model.dtype).removeprefix("torch.")
+            hint = "" if held == dtype else (f": it is in {held}, the work directory's in "
+                                             f"{dtype} (from_pretrained(..., dtype=torch."
+                                             f"{dtype}))")
             raise NotServed(f"The model given (weights {adapter.fingerprint()}) is not the base "
                             f"LM the datastore of {lm.workdir.root} was built with "
-                            f"({identity['fingerprint']}).")
+                            f"({identity['fingerprint']}){hint}.")
         return
     # the work directory's own load where it has one (it checked the file's sha256), else one
     # made for this comparison only

@@ -15,6 +15,7 @@ without an end, one retrieval per new token, GNN-LM's context nodes appended. Ev
 text as the stream the pipeline read, under the BOS rule its features record (``gnnlm.text.bos``):
 BOS first, whatever the tokenizer adds; ``prompt_ids`` gives that stream to Hugging Face.
 
+Every part runs on the CPU, on a GPU machine too, so that every route computes one number.
 Nothing is loaded before a row needs it: the base LM and the tokenizer first, then the index
 (train keys and targets stay memory-mapped), a head's weights, and GNN-LM's window states, each
 computed when a token first retrieves its window. Reading never writes into the work directory

@@ -18,8 +18,10 @@ a split's own tokens every row gives the report's per-token scores:
   features, SPALM with its last block trained on the base LM's windows, and SPALM end to end
   and its Transformer-XL / transformer baselines on the pipeline's ``eval_streams`` contiguous
   streams of segments, memory carried (``gnnlm.models.segments``): scores of a text depend on
-  how many streams it is cut into, as the report's do. The head runs on the device and in the
-  precision its row was scored in (``gnnlm.pipeline.precision``).
+  how many streams it is cut into, as the report's do. The head runs in the precision its row
+  was scored in (``gnnlm.pipeline.precision``), on the CPU like every other part of a served
+  work directory: on a GPU machine too, so that scoring and decoding (whose heads run on the
+  CPU) give one number, under one autocast.
 
 Each row's ``Score`` carries its protocol (``gnnlm.models.protocols``). The base LM and the
 searches run in float32, as the features and neighbours stages ran. Each row's scores are
@@ -204,7 +206,7 @@ def head_logprobs(inputs: Inputs, row: ServedRow, settings: RowSettings
                   ) -> tuple[np.ndarray, dict]:
     """The scores of the head ``row`` reads, computed once per text and setting: the
     pipeline's ``predict`` over the text (``predict_tokens``), the head's data module serving
-    it in place of a split, on the device and in the precision the report scored it in."""
+    it in place of a split, in the precision the report scored it in, on the CPU."""
     head = inputs.lm.head(row)
     gnn_k = settings.gnn_k if isinstance(head, GNNHead) else None
     memo = (row.folder, RowSettings(gnn_k=gnn_k))
@@ -223,7 +225,7 @@ def _predict(inputs: Inputs, head: Head, gnn_k: Optional[int], precision: str
         assert isinstance(data, GraphDataModule)
         data.connect(eval_k=int(gnn_k or head.graph.k))
     logprob = predict_tokens(trained.module, data, TEXT, len(inputs.ids), cast(Any, precision),
-                             progress=False, inference_mode=False)["logprob"]
+                             progress=False, inference_mode=False, accelerator="cpu")["logprob"]
     if isinstance(head, SegmentSpalm):  # the data module's segments of parallel streams
         assert isinstance(data, OwnScoringProtocol)
         return logprob, data.scoring_protocol(head.model.memory_length)

@@ -138,6 +138,14 @@ class GNNLM(TokenLevelModule):
             self._window_states = states
         return states
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """Release the window-state table before a training step: training reads window nodes,
+        not the table, and its step changes the weights the table was computed from. At the
+        paper's shape the table is 2 layers × 2.09M windows × 3 nodes × 512 float32 (25.7 GB),
+        which the GPU would otherwise hold through every epoch."""
+        if self._window_states is not None:
+            self._window_states.clear()
+
     def forward(self, batch) -> torch.Tensor:
         """Logits ``[n_ctx, V]`` at the ``ctx`` nodes of a (batched) HeteroData."""
         self.read_node_features(batch)

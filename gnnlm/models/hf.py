@@ -199,10 +199,10 @@ class HFCausalLM(BaseLM):
             raise ValueError(f"No {key} feature was captured: run the model first.")
         return self._captured[key]
 
-    def take_captured(self, key: str) -> Optional[Tensor]:
-        """The ``key`` feature of the last forward pass, forgotten once taken: None when the
-        model has not run since it was last taken."""
-        captured, self._captured = self._captured.get(key), {}
+    def take_captured(self) -> dict[str, Tensor]:
+        """Every feature of the last forward pass by key, forgotten once taken: empty when the
+        model has not run since they were last taken."""
+        captured, self._captured = self._captured, {}
         return captured
 
     def remove_hooks(self) -> None:

@@ -52,7 +52,8 @@ class OwnScoringProtocol(typing.Protocol):
 
 
 def predict_tokens(model, datamodule, split: str, n: int, precision: Precision = "32-true",
-                   progress: bool = True, inference_mode: bool = True) -> dict[str, np.ndarray]:
+                   progress: bool = True, inference_mode: bool = True,
+                   accelerator: str = "auto") -> dict[str, np.ndarray]:
     """What ``predict`` gives for every position of ``split``, in position order, as float32
     ``[n]`` arrays by name: ``logprob`` (log p(target)) and any other per-token value of the
     model's predict outputs (SPALM: ``gate``), on one device with the training run's precision.
@@ -64,7 +65,9 @@ def predict_tokens(model, datamodule, split: str, n: int, precision: Precision =
     ``progress`` the pass prints its progress (tokens, tokens/s, ETA: ``PredictProgress``),
     naming the evaluation k of a GNN-LM data module. ``inference_mode=False`` runs it under
     ``no_grad`` instead, so that what the model keeps (GNN-LM's window states) can be updated
-    in place outside it afterwards."""
+    in place outside it afterwards. ``accelerator``: Lightning's, ``auto`` (a GPU when there is
+    one) for the pipeline's reports, ``cpu`` for ``gnnlm.load``, which serves every part of a
+    work directory on the CPU."""
     import pytorch_lightning as pl
 
     from gnnlm.lit.predict_progress import PredictProgress
@@ -73,8 +76,9 @@ def predict_tokens(model, datamodule, split: str, n: int, precision: Precision =
     k = getattr(datamodule, "eval_k", None)
     desc = f"score {type(model).__name__} {split}" + (f" at k = {k}" if k else "")
     quiet_lightning()  # no device banner before each pass: every Trainer would say it
-    trainer = pl.Trainer(accelerator="auto", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, precision=precision,
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         precision=precision,
                          inference_mode=inference_mode,
                          callbacks=[PredictProgress(n, desc)] if progress else [])
     # one predict loader: a list of the batches' outputs, each a dict of tensors by name

@@ -54,7 +54,7 @@ from gnnlm.retrieval.screening_error import (
     next_up,
     screening_queries,
 )
-from gnnlm.utils.devices import torch_device, why_not_resident
+from gnnlm.utils.devices import free_memory, torch_device, why_not_resident
 from gnnlm.utils.progress import say
 
 SCREENS = ("auto", "float16", "float32")
@@ -262,7 +262,7 @@ class ExactSearch(ExactScores):
         span = min(self.chunk, self.n)
         if self.device.type != "cuda":
             return span, max(ROWS, min(b, CPU_SCORE_ELEMENTS // span))
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free = free_memory(self.device) or 0
         budget = min(GPU_SCORE_BYTES // itemsize, free // 4 // itemsize, GPU_SCORE_ELEMENTS)
         if resident_table:
             block = max(ROWS, min(b, 2048, budget // self.n))

@@ -6,6 +6,7 @@ ask the machine.
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Optional, Union
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ Devices = Union[int, str]  # a number of processes, or "auto"
 
 
 def check_device(device: str) -> None:
-    if device not in DEVICES and not str(device).startswith("cuda:"):
+    if device not in DEVICES and not re.fullmatch(r"cuda:\d+", str(device)):
         raise ValueError(f"device must be one of {DEVICES} or 'cuda:<n>' (got {device!r}).")
 
 
@@ -87,10 +88,15 @@ def torch_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def free_memory(device: torch.device) -> Optional[int]:
-    """Bytes free on a CUDA device (None elsewhere: no limit is checked)."""
+    """Bytes free on a CUDA device (None elsewhere: no limit is checked): what the driver has
+    free, and what torch's caching allocator holds unused, which it hands out first (a window
+    table or a score buffer just released stays reserved: the driver counts it as taken)."""
     import torch
 
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached
 
 
 def resident_room(device: torch.device) -> Optional[int]:

@@ -70,3 +70,11 @@ def tensor_digest(tensors: Iterable[Optional[Tensor]]) -> tuple:
         for (at, _), value in zip(on_device, sums):
             entries[at] = (entries[at], value)
     return tuple(entries)
+
+
+def autocast_state(device: torch.device) -> tuple:
+    """``(enabled, dtype)`` of autocast on ``device``'s type now: part of the key of a value
+    cached from matrix products, which autocast computes in another dtype (a bf16 map read
+    under float32, or the reverse, would be an error or other numbers)."""
+    enabled = torch.is_autocast_enabled(device.type)
+    return enabled, str(torch.get_autocast_dtype(device.type)) if enabled else None

@@ -56,6 +56,17 @@ def test_resident_opq_codes_undo_the_rotation_as_the_host_does(stored):
     np.testing.assert_allclose(got, host(p), rtol=1e-5, atol=1e-6)
 
 
+def test_the_resident_rotation_stays_float32_under_the_trainer_s_autocast(stored):
+    """Under bf16-mixed the model reads window features inside autocast: the inverse rotation
+    must not run in bf16 (the window nodes' residual stream would become bf16)."""
+    resident = PQFeatures(stored.pq("att")).on_device(CPU)
+    p = torch.from_numpy(positions())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = resident(p)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, resident(p))
+
+
 def test_resident_raw_features_are_the_stored_float16_widened(stored):
     host = RawFeatures(stored.features("train"), "final")
     p = positions()

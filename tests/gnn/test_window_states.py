@@ -213,6 +213,31 @@ def test_a_gpu_without_room_for_every_window_keeps_fewer_with_the_same_numbers(m
     assert given.max_windows == N_TRAIN and not capsys.readouterr().err
 
 
+def test_the_table_and_the_folded_maps_are_kept_per_autocast():
+    """A model scored under bf16 autocast and then in float32 (or the reverse), with the same
+    weights: each reads what a fresh table computes under its own autocast, not the other's
+    windows and relation maps (bf16 maps read in float32 were an error)."""
+    cfg = GraphConfig(left=1, right=2, k=4)
+    _, context, train = blocks(cfg)
+    stack = stack_for().float()
+    ctx, _, graph = to_dense(context, cfg)
+
+    def score(states: WindowStates, bf16: bool) -> torch.Tensor:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return states(ctx.float(), graph)[graph.ctx_mask].float()
+
+    def fresh(bf16: bool) -> torch.Tensor:
+        for module in stack.modules():
+            module.__dict__.pop("_folded", None)
+        return score(WindowStates(stack, features_of(train), N_TRAIN, cfg), bf16)
+
+    full, half = fresh(False), fresh(True)
+    assert (full - half).abs().max() > 1e-3          # autocast changes the numbers
+    states = WindowStates(stack, features_of(train), N_TRAIN, cfg)
+    for bf16, want in ((False, full), (True, half), (False, full), (True, half)):
+        assert torch.equal(score(states, bf16), want)
+
+
 def test_window_states_refuse_training_and_blocks_with_windows():
     cfg = GraphConfig(k=4)
     with_windows, context, train = blocks(cfg)

@@ -81,9 +81,10 @@ def test_settings_override_the_fitted_ones_and_are_checked(lm, test_ids):
 
 def test_each_head_is_scored_once_per_call_and_each_row_name_parsed_once(workdir, test_ids,
                                                                         monkeypatch):
-    """``gnn`` and ``gnn+knn`` in one call run GNN-LM's predict once; a row's name is parsed
-    (``rows.row``) when the report is read, never again below the door: scoring every row and
-    generating under ``gnn+knn`` parse nothing."""
+    """``gnn`` and ``gnn+knn`` in one call run GNN-LM's predict once, on the CPU as every part
+    of a served work directory (on a GPU machine too, where Lightning's ``auto`` would take the
+    GPU); a row's name is parsed (``rows.row``) when the report is read, never again below the
+    door: scoring every row and generating under ``gnn+knn`` parse nothing."""
     from gnnlm.inference import scoring
     from gnnlm.workdir import rows
 
@@ -91,14 +92,15 @@ def test_each_head_is_scored_once_per_call_and_each_row_name_parsed_once(workdir
     predicted = []
     predict = scoring.predict_tokens
     monkeypatch.setattr(scoring, "predict_tokens",
-                        lambda module, *args, **kwargs: predicted.append(type(module).__name__)
+                        lambda module, *args, **kwargs: predicted.append(
+                            (type(module).__name__, kwargs.get("accelerator")))
                         or predict(module, *args, **kwargs))
     parsed = []
     parse = rows.row
     monkeypatch.setattr(rows, "row", lambda name: parsed.append(name) or parse(name))
     scores = lm.score(test_ids[:200], ["gnn", "gnn+knn", "spalm", "learned_wds",
                                        "learned_wds+base"])
-    assert predicted == ["GNNLM", "SpalmLM", "LearnedDatastoreLM"]
+    assert predicted == [("GNNLM", "cpu"), ("SpalmLM", "cpu"), ("LearnedDatastoreLM", "cpu")]
     np.testing.assert_array_equal(lm.score(test_ids[:200], "gnn").logprobs, scores["gnn"].logprobs)
     lm.generate("The game", row="gnn+knn", max_new_tokens=2, greedy=True)
     assert parsed == []

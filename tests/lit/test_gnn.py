@@ -194,3 +194,7 @@ def test_gnnlm_fit_links_the_layout_and_attaches_the_datastore(work, tmp_path):
     weight, bias = data.output_embedding()
     torch.testing.assert_close(model.out_weight, weight.float())
     assert metrics["val/tokens"] == 40 and np.isfinite(metrics["val/ppl"])
+    states = model._window_states
+    assert states is not None and states._table is not None      # validation filled it
+    model.on_train_batch_start(None, 0)   # training reads window nodes: the table is released
+    assert states._table is None and states.weights_key is None

@@ -9,6 +9,7 @@ picks."""
 from __future__ import annotations
 
 import json
+import math
 import pickle
 
 import numpy as np
@@ -254,6 +255,35 @@ def test_bfloat16_weights_give_float32_log_probabilities(bpe, tmp_path):
     ours = torch.log_softmax(logits, -1)
     assert (ours - reference).abs().max() < 0.02      # the model's bf16 logits, rounded
     assert (ours - exact).abs().max() < 0.1           # and close to the float32 model
+
+
+def test_the_knn_processor_mixes_the_work_directory_s_float32_p_lm_for_a_bf16_model(bpe):
+    """``KNNLogitsProcessor`` of a bf16 model mixes p_LM as the work directory's rows compute it
+    (float32 logits of ``final``), not ``generate()``'s scores rounded to bf16: with neighbours
+    holding no word, its output is exactly log((1 − λ)·p_LM)."""
+    import types
+
+    from gnnlm.inference.hf import KNNLogitsProcessor
+
+    model, _ = build_family(FAMILIES["llama"], bpe)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60)    # logits of an LLM's size (|logit| up to ~30)
+    model = model.to(torch.bfloat16)
+    knn = object.__new__(KNNLogitsProcessor)   # a lookup whose neighbours hold no word
+    knn.adapter = HFCausalLM(model, "llama", check=False)
+    knn.key, knn.scores, knn.check_prompt = "att", "faiss", lambda ids: None
+    knn.lookup = types.SimpleNamespace(
+        search=lambda q: (np.full((len(q), 1), -np.inf, np.float32), np.full((len(q), 1), -1)),
+        knn_sims=lambda q, sims, ids, how: sims, values=lambda ids: np.full(ids.shape, -1))
+    knn.settings = types.SimpleNamespace(knn=lambda: (1, 1.0), weight=0.5)
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        p_lm = torch.log_softmax(knn.adapter.logits(knn.adapter(ids).final[:, -1]), -1)
+        scores = model(ids).logits[:, -1].float()     # what generate() hands the processor
+        rounded = torch.log_softmax(scores, -1)
+        assert (rounded - p_lm).abs().max() > 1e-2    # bf16 rounding shows at this size
+        mixed = knn(ids, scores)
+    torch.testing.assert_close(mixed, p_lm + math.log(0.5), atol=1e-5, rtol=0)
 
 
 def test_device_map_places_the_model_once(bpe, tmp_path):

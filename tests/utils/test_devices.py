@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gnnlm.utils.devices import check_device, faiss_device, faiss_has_gpu, torch_device
+from gnnlm.utils.devices import (check_device, faiss_device, faiss_has_gpu, free_memory,
+                                 resident_room, torch_device)
 
 
 def test_torch_device():
@@ -23,6 +24,20 @@ def test_bad_device_names_are_refused():
         torch_device("tpu")
     with pytest.raises(ValueError, match=r"\(got 'gpu'\)"):
         faiss_device("gpu")
+    for name in ("cuda:", "cuda:x", "cuda:0 ", "cuda:-1"):
+        with pytest.raises(ValueError, match=r"or 'cuda:<n>' \(got"):
+            check_device(name)
+
+
+def test_free_gpu_memory_counts_what_torch_s_allocator_holds_unused(monkeypatch):
+    """A table just released stays reserved by torch (the driver counts it as taken), and is
+    handed out first: it is free for what is sized next."""
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 << 30)
+    assert free_memory(gpu) == (3 + 26) << 30
+    assert resident_room(gpu) == (29 << 30) // 2 and free_memory(torch.device("cpu")) is None
 
 
 def test_faiss_device():
