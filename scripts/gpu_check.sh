@@ -11,12 +11,15 @@
 #   2. the table, scripts/gpu_table.sh with configs/wikitext2/pipeline.yaml (TABLE_SECONDS, 480,
 #      or what the whole's limit leaves after the benchmark and a stopped table's exit), or with
 #      --rehearsal the slice-size rehearsal (configs/tests/gpu_rehearsal.yaml) instead; further
-#      arguments overlay the pipeline config.
+#      arguments overlay the pipeline config;
+#   3. with --rehearsal, its work directory served as gnnlm.load serves it (on the CPU), against
+#      its report: python -m gnnlm.inference.reproduce (REPRODUCE_SECONDS, 120, or what the
+#      whole's limit leaves).
 # It leaves seven files in OUT: bench_gpu.json, results.json, results.md and stage_times.json
 # (the table's, as far as it got), pipeline.log (everything the console showed),
 # test_logprobs.npz (the per-token test scores, when under 15 MiB) and
-# records.tar.gz (every artifact's manifest, the plots, environment.txt). It exits 3 when the
-# table stopped at its limit, with what it reached.
+# records.tar.gz (every artifact's manifest, the plots, environment.txt); with --rehearsal an
+# eighth, reproduce.json. It exits 3 when the table stopped at its limit, with what it reached.
 set -uo pipefail
 SECONDS=0
 if [ $# -lt 1 ] || [[ $1 == -* ]]; then
@@ -26,8 +29,10 @@ fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 shift
 overlay=()
+served=""  # the work directory served after the table (the rehearsal's)
 if [ "${1:-}" = "--rehearsal" ]; then
     overlay=(-c configs/tests/gpu_rehearsal.yaml)
+    served=runs/tests/gpu-rehearsal  # configs/tests/gpu_rehearsal.yaml's workdir
     shift
 fi
 [ -f configs/wikitext2/pipeline.yaml ] || {
@@ -71,6 +76,21 @@ if [ -f "$scores" ] && [ "$(stat -c %s "$scores")" -le $((15 << 20)) ]; then
 elif [ -f "$scores" ]; then
     echo "gpu_check.sh: test_logprobs.npz left out: over 15 MiB" | tee -a "$log"
 fi
+# 3. the rehearsal's work directory served through gnnlm.load, against its report
+if [ -n "$served" ] && [ "$status" = 0 ]; then
+    left=$(( ${CHECK_SECONDS:-590} - SECONDS ))
+    limit=${REPRODUCE_SECONDS:-120}
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -gt 0 ]; then
+        echo "gpu_check.sh: $served served through gnnlm.load, at most $limit s" | tee -a "$log"
+        timeout -s TERM -k 10 "$limit" "$python" -m gnnlm.inference.reproduce "$served" \
+            --decode transformer transformer_xl gnn+knn --json "$out/reproduce.json" 2>&1 \
+            | tee -a "$log"
+        echo "gpu_check.sh: reproduce ended with status ${PIPESTATUS[0]} after $SECONDS s" \
+            | tee -a "$log"
+    fi
+fi
+
 # the records: manifests of every artifact the run reached, plots, the environment
 ( find runs -name manifest.json 2>/dev/null
   find "$table" -maxdepth 1 \( -name '*.png' -o -name environment.txt \) ) \

@@ -29,8 +29,9 @@ def test_bench_seconds_0_skips_the_benchmark(wikitext_root, tmp_path):
     """``BENCH_SECONDS=0 scripts/gpu_check.sh OUT --rehearsal`` (a GPU session's smoke run
     before the table, without the benchmark's minute): straight to the table, here refused at
     once by a setting the pipeline does not know (``timeout 0`` would have run the benchmark
-    with no limit at all). An earlier run's results in the table's folder (the rehearsal's,
-    before the table) do not come back as this run's."""
+    with no limit at all), so its work directory is not served afterwards. An earlier run's
+    results in the table's folder (the rehearsal's, before the table) do not come back as this
+    run's."""
     (tmp_path / "table").mkdir()
     for name in ("results.json", "results.md", "stage_times.json", "test_logprobs.npz"):
         (tmp_path / "table" / name).write_text("an earlier run's")
@@ -42,6 +43,7 @@ def test_bench_seconds_0_skips_the_benchmark(wikitext_root, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["pipeline.log",
                                                                     "records.tar.gz"]
     assert "metric must be one of ('cos', 'ip', 'l2') (got 'nearest')" in log  # the pipeline's
+    assert "served through gnnlm.load" not in log   # a table that failed is not served
 
 
 def test_the_table_s_limit_keeps_the_whole_within_check_seconds_and_exits_3(wikitext_root,

@@ -145,6 +145,8 @@ class Decoder:
 
     def __init__(self, lm: LMParts, row: ServedRow, settings: RowSettings, incremental: bool):
         self.lm, self.row, self.settings, self.incremental = lm, row, settings, incremental
+        if incremental:
+            lm.note_cache_rounding()
         self.frozen = LMReader(lm.base_lm, lm, incremental)
         # kNN-LM over the base LM (knn) or over a head (gnn+knn, <head>+knn)
         self.knn = row.retrieval if row.row.knn else None

@@ -26,12 +26,12 @@ Hugging Face's own processors (``bad_words_ids``, ``suppress_tokens``, ``min_new
 ban, forced BOS/EOS, ``no_repeat_ngram_size``, ``repetition_penalty``, ``sequence_bias``, ...)
 act on kNN-LM's distribution, as they act on a model's: ``generate`` builds them before a user's
 processors, so the processor puts itself first in the list ``generate`` builds
-(``_RunFirst``): it mixes the model's own distribution, and those processors then ban and penalise the
-mixture (a banned word a neighbour holds stays banned; a penalty applies to kNN-LM's log p,
-as Hugging Face's beam search applies processors to log-probabilities). A token that reaches
-it already at −inf (processors applied by hand before it) stays at −inf. Assisted, speculative
-and prompt-lookup decoding score several positions of one forward pass, where the hook keeps
-one query per pass: they are refused in one line.
+(``_RunFirst``): it mixes the model's own distribution, and those processors then ban and
+penalise the mixture (a banned word a neighbour holds stays banned; a penalty applies to
+kNN-LM's log p, as Hugging Face's beam search applies processors to log-probabilities). A token
+that reaches it already at −inf (processors applied by hand before it) stays at −inf.
+Assisted, speculative and prompt-lookup decoding score several positions of one forward pass,
+where the hook keeps one query per pass: they are refused in one line.
 
 A GGUF base LM is recorded by its file's sha256; the model given (``from_pretrained(folder,
 gguf_file=...)``) is checked to hold that file's weights as the work directory loads them.

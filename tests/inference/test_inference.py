@@ -181,6 +181,50 @@ def test_gnnlm_score_and_generate_print_what_the_api_gives(lm, workdir):
     assert all("[" in line and "]" in line for line in generated[1:])
 
 
+def test_a_half_precision_base_lm_says_once_that_its_cache_rounds_otherwise(workdir):
+    """Generation through a bf16 base LM's key/value cache is not a prefix read from scratch to
+    float32's 1e-5: one note says so, and how to read every prefix from scratch."""
+    import warnings
+
+    lm = gnnlm.load(workdir)
+    lm.features["base_lm"]["dtype"] = "bfloat16"   # as a bf16 Hugging Face model records it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm.next_token_logprobs("The game", "base")
+        lm.generate("The game", "base", 2, greedy=True, incremental=False)
+        assert caught == []
+        lm.generate("The game", "base", 2, greedy=True)
+        lm.generate("The game", "knn", 2, greedy=True)
+    assert len(caught) == 1
+    assert "computes in bfloat16" in str(caught[0].message)
+    assert "incremental=False" in str(caught[0].message)
+
+
+def test_reproduce_measures_the_served_scores_against_the_report(lm, workdir, results,
+                                                                  tmp_path, capsys):
+    """``python -m gnnlm.inference.reproduce``: served where the work directory was built, every
+    row's score of the test split is the report's to the bit, and a prefix's next-token score
+    the report's to float rounding; the figures go to JSON, a bad row is one line."""
+    from gnnlm.inference.reproduce import main
+    from gnnlm.inference.served import NotServed
+
+    out = tmp_path / "reproduce.json"
+    figures = main([str(workdir), "--rows", "base", "knn", "gnn+knn", "--decode", "gnn+knn",
+                    "--positions", "8", "--json", str(out)])
+    assert json.loads(out.read_text()) == figures
+    assert figures["tokens"] == results["tokens"] and figures["built_on"] == "cpu"
+    for row in ("base", "knn", "gnn+knn"):
+        assert figures["rows"][row]["equal"] and figures["rows"][row]["max_abs"] == 0, row
+        assert figures["rows"][row]["report_ppl"] == results["ppl"][row]
+    decoded = figures["decoding"]["gnn+knn"]
+    assert decoded["positions"] == 8 and decoded["max_abs"] < 1e-4
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].startswith("  score    base")
+    assert "equal: max |Δ log p| 0.00e+00" in printed[1]
+    with pytest.raises(NotServed, match=r"'nope'"):
+        main([str(workdir), "--decode", "nope"])
+
+
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file's size and modification time (the lock file, which runs write, aside)."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)

@@ -19,7 +19,7 @@ import pytest
 
 import gnnlm
 from gnnlm.pipeline.config_files import merged_yaml
-from gnnlm.workdir.manifests import open_array, read_manifest
+from gnnlm.workdir.manifests import read_manifest
 from tests.conftest import REHEARSAL_SIZE_OVERLAYS, REPO, yaml_leaves
 from tests.rehearsal import undeclared_changes
 
@@ -77,11 +77,11 @@ def test_every_row_of_the_gpu_table_is_scored_on_the_same_tokens(rehearsal, resu
     assert "+GNN+kNN" in (rehearsal[1] / "pipeline.log").read_text()
 
 
-def test_the_check_leaves_seven_files_the_bench_and_the_records(rehearsal, results):
+def test_the_check_leaves_eight_files_the_bench_and_the_records(rehearsal, results):
     out = rehearsal[2]
     assert sorted(p.name for p in out.iterdir()) == [
-        "bench_gpu.json", "pipeline.log", "records.tar.gz", "results.json", "results.md",
-        "stage_times.json", "test_logprobs.npz"]
+        "bench_gpu.json", "pipeline.log", "records.tar.gz", "reproduce.json", "results.json",
+        "results.md", "stage_times.json", "test_logprobs.npz"]
     assert json.loads((out / "results.json").read_text()) == results
     assert (out / "test_logprobs.npz").read_bytes() == (
         rehearsal[1] / "test_logprobs.npz").read_bytes()
@@ -145,31 +145,35 @@ def test_every_trained_part_ran_the_gpu_config_s_options(rehearsal, part):
     assert undeclared_changes(part, gpu, merged_yaml([str(sized[0])]), recorded) == []
 
 
-def test_gnnlm_score_serves_each_row_in_the_precision_the_report_scored_it(rehearsal, results):
+def test_gnnlm_load_serves_each_row_in_the_precision_the_report_scored_it(rehearsal, results):
     """The heads were scored under bf16-mixed autocast (on the CPU too), the base LM and kNN-LM
     in float32: the report and the heads' manifests record it, and ``gnnlm.load`` serves each
-    row the same way. So the test split's tokens give every head row's report scores (measured:
-    equal to the bit; served in float32 they were up to 5e-3 nats apart, 7e-6 for GNN-LM), and
-    a prefix's next-token distribution gives the report's score of the token that follows, to
-    bf16 kernel rounding (measured: 2.6e-5 nats on average; in float32, 2.5e-4)."""
+    row the same way. So, as the check's last part measured (``gnnlm.inference.reproduce``,
+    reproduce.json), the test split's tokens give every row's report scores (equal to the bit;
+    heads served in float32 were up to 5e-3 nats apart, 7e-6 for GNN-LM), and a prefix's
+    next-token distribution gives the report's score of the token that follows, to bf16 kernel
+    rounding (measured: 2.6e-5 nats on average for the Transformer rows; in float32,
+    2.5e-4)."""
     workdir = rehearsal[0] / "runs" / "tests" / "gpu-rehearsal"
     heads = sorted(row for row in ROWS if row not in ("base", "knn", "knn[att]"))
     assert results["precisions"] == {row: "bf16-mixed" if row in heads else "32-true"
                                      for row in ROWS}
     for part in TRAINED[1:]:
         assert read_manifest(workdir / "models" / part)["precision"] == "bf16-mixed", part
-    lm = gnnlm.load(workdir)
-    ids = np.asarray(open_array(workdir / "tokens", "test")[:results["tokens"]], dtype=np.int64)
-    scores = lm.score(ids, heads)
-    with np.load(rehearsal[1] / "test_logprobs.npz") as stored:
-        for row in heads:
-            np.testing.assert_allclose(scores[row].logprobs, stored[row], rtol=0, atol=1e-6,
-                                       err_msg=row)
-            assert scores[row].ppl == pytest.approx(results["ppl"][row], rel=1e-5), row
-        for row in ("transformer", "transformer_xl"):  # decoding, within stream 0's segment
-            gaps = [float(lm.next_token_logprobs(ids[:t], row)[ids[t]]) - float(stored[row][t])
-                    for t in range(1, 64)]
-            assert np.abs(gaps).mean() < 8e-5, (row, np.abs(gaps).mean())
+    served = json.loads((rehearsal[2] / "reproduce.json").read_text())
+    assert (served["workdir"], served["tokens"], served["served_on"]) == (
+        "runs/tests/gpu-rehearsal", results["tokens"], "cpu")
+    assert set(served["rows"]) == ROWS
+    for row, figures in served["rows"].items():
+        assert figures["equal"] and figures["max_abs"] == 0, row
+        assert figures["ppl"] == pytest.approx(results["ppl"][row], rel=1e-5), row
+    assert set(served["decoding"]) == {"transformer", "transformer_xl", "gnn+knn"}
+    for row, figures in served["decoding"].items():  # within stream 0's first segment
+        assert figures["positions"] == 63, row
+        assert figures["mean_abs"] < (8e-5 if row != "gnn+knn" else 1e-3), (row, figures)
+    log = (rehearsal[2] / "pipeline.log").read_text()
+    assert "reproduce ended with status 0" in log
     # a report written before it recorded precisions: each head's manifest says the same
+    lm = gnnlm.load(workdir)
     del lm.served.results["precisions"]
     assert {row: lm.served.row(row).precision for row in ROWS} == results["precisions"]

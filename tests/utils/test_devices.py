@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gnnlm.utils.devices import (check_device, faiss_device, faiss_has_gpu, free_memory,
-                                 resident_room, torch_device)
+from gnnlm.utils import devices
+from gnnlm.utils.devices import check_device, faiss_device, faiss_has_gpu, torch_device
 
 
 def test_torch_device():
@@ -36,8 +36,9 @@ def test_free_gpu_memory_counts_what_torch_s_allocator_holds_unused(monkeypatch)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 << 30)
-    assert free_memory(gpu) == (3 + 26) << 30
-    assert resident_room(gpu) == (29 << 30) // 2 and free_memory(torch.device("cpu")) is None
+    assert devices.free_memory(gpu) == (3 + 26) << 30
+    assert devices.resident_room(gpu) == (29 << 30) // 2
+    assert devices.free_memory(torch.device("cpu")) is None
 
 
 def test_faiss_device():
