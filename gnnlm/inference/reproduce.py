@@ -7,11 +7,11 @@ through the routes a user takes, against the per-token scores the report stored.
 Every row's ``score`` of the test tokens the report scored is compared with the report's
 ``test_logprobs.npz``; for the ``--decode`` rows, ``next_token_logprobs`` of the first N
 prefixes (within the base LM's first window, where a prefix's next-token distribution is the
-split's score of that token) is compared with the same stored scores. Served on the machine and
-device that built the work directory, ``score`` gives the report's bits and decoding the float
-rounding of a prefix read alone (``tests/inference/test_inference.py``). Served on the CPU
-(``gnnlm.load`` serves there) after a build on a GPU, the two devices' sums differ: this measures
-by how much (``scripts/gpu_check.sh --rehearsal`` runs it on the GPU machine).
+split's score of that token) is compared with the same stored scores. ``gnnlm.load`` serves on
+the CPU: a work directory built on the CPU gives the report's bits through ``score`` and the
+float rounding of a prefix read alone through decoding (``tests/inference/test_inference.py``);
+one built on a GPU differs by the two devices' sums, which this measures
+(``scripts/gpu_check.sh --rehearsal`` runs it on the GPU machine).
 
 It prints one line per row and writes the figures as JSON (``--json``); it writes nothing into
 the work directory.
