@@ -42,6 +42,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/carried.sh"
 log=$out/pipeline.log
 table=${GNNLM_CHECK_TABLE:-${TMPDIR:-/tmp}/gnnlm-gpu-check}
 
+# a part's limit: its own ($1), or what the whole's limit leaves once a part stopped at it has
+# had its grace ($2 s after SIGTERM) to exit, whichever is less
+part_seconds() {
+    local left=$(( ${CHECK_SECONDS:-590} - SECONDS - $2 ))
+    echo $(( left < $1 ? left : $1 ))
+}
+
 bench=${BENCH_SECONDS:-60}
 if [ "$bench" = 0 ]; then  # (timeout 0 would mean no limit at all)
     echo "gpu_check.sh: bench_gpu.py skipped (BENCH_SECONDS=0)" | tee "$log"
@@ -53,10 +60,8 @@ else
         | tee -a "$log"
 fi
 
-# the table's limit: its own, or what the whole's leaves once a stopped table has exited
-# (gpu_table.sh gives it 30 s after SIGTERM), whichever is less
-table_seconds=$(( ${CHECK_SECONDS:-590} - SECONDS - 30 ))
-[ "$table_seconds" -gt "${TABLE_SECONDS:-480}" ] && table_seconds=${TABLE_SECONDS:-480}
+# the table (gpu_table.sh gives a stopped run 30 s to exit)
+table_seconds=$(part_seconds "${TABLE_SECONDS:-480}" 30)
 echo "gpu_check.sh: the table${overlay[*]:+ (${overlay[*]})}, at most $table_seconds s" | tee -a "$log"
 GNNLM_TABLE_SECONDS=$table_seconds bash "$repo/scripts/gpu_table.sh" "$table" "${overlay[@]}" "$@" \
     2>&1 | tee -a "$log"
@@ -76,12 +81,9 @@ if [ -f "$scores" ] && [ "$(stat -c %s "$scores")" -le $((15 << 20)) ]; then
 elif [ -f "$scores" ]; then
     echo "gpu_check.sh: test_logprobs.npz left out: over 15 MiB" | tee -a "$log"
 fi
-# the rehearsal's work directory served through gnnlm.load, against its report, within what
-# the whole's limit leaves (less the 10 s a stopped check is given to exit)
+# the rehearsal's work directory served through gnnlm.load, against its report
 if [ -n "$served" ] && [ "$status" = 0 ]; then
-    left=$(( ${CHECK_SECONDS:-590} - SECONDS - 10 ))
-    limit=${REPRODUCE_SECONDS:-120}
-    [ "$left" -lt "$limit" ] && limit=$left
+    limit=$(part_seconds "${REPRODUCE_SECONDS:-120}" 10)
     if [ "$limit" -gt 0 ]; then
         echo "gpu_check.sh: $served served through gnnlm.load, at most $limit s" | tee -a "$log"
         timeout -s TERM -k 10 "$limit" "$python" -m gnnlm.inference.reproduce "$served" \
