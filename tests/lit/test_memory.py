@@ -1,6 +1,6 @@
 """gnnlm.lit.memory: the Transformer-XL memory a batch leaves is what the next batch of the same
-stage reads; each stage keeps its own, a pass starts without any, a smaller final batch reads
-none, and a module without memory keeps nothing."""
+stage reads; each stage keeps its own, a pass starts without any, a stage that ends lets it go,
+a smaller final batch reads none, and a module without memory keeps nothing."""
 from __future__ import annotations
 
 import pytest
@@ -100,3 +100,54 @@ def test_the_lm_s_second_segment_is_scored_with_the_first_segment_s_memory():
     torch.testing.assert_close(carried, with_memory)
     torch.testing.assert_close(fresh, without)
     assert not torch.allclose(carried, fresh)
+
+
+END = {"train": "on_train_end", "val": "on_validation_end", "test": "on_test_end",
+       "predict": "on_predict_end"}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_that_ends_lets_its_memory_go_and_leaves_the_others(stage):
+    """Otherwise the next stage holds it beside its own (on a GPU, until the module is freed);
+    a validation run inside fit ends without touching the training streams' memory."""
+    module = Cached(memory_length=3)
+    kept = {s: states(2, float(i)) for i, s in enumerate(STAGES)}
+    for s, memory in kept.items():
+        module.keep_memory(s, memory)
+    getattr(module, END[stage])()
+    assert module._memory[stage] is None
+    assert all(module.memory_for(s, 2) is kept[s] for s in STAGES if s != stage)
+
+
+def test_fit_ends_with_no_memory_held():
+    """Through Lightning: a fit of the base LM with memory (training and validation segments)
+    leaves the module holding no memory of either stage."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from gnnlm.lit.lm import LanguageModel
+
+    torch.manual_seed(0)
+    model = LanguageModel(vocab_size=17, context_length=8, n_layer=2, n_head=2, d_model=16,
+                          d_ff=32, dropout=0.0, memory_length=4)
+    stream = torch.randint(0, 17, (2, 25))
+    segments = [{"input": stream[:, s:s + 6], "target": stream[:, s + 1:s + 7],
+                 "positions": torch.arange(s, s + 6).repeat(2, 1)} for s in (0, 6, 12)]
+    seen: dict[str, bool] = {}
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            seen["train"] = module._memory.get("train") is not None
+
+        def on_validation_batch_end(self, trainer, module, *args):
+            seen["val"] = module._memory.get("val") is not None
+
+    def loader():
+        return DataLoader(segments, batch_size=None)
+
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, callbacks=[Watch()],
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, loader(), loader())
+    assert seen == {"train": True, "val": True}      # each stage carried memory while it ran
+    assert all(memory is None for memory in model._memory.values())
