@@ -6,6 +6,7 @@
     gnnlm explain  -c ... --text "In 2000 Boulter had a guest @-@"
     gnnlm score    runs/wikitext2-cpu --file my.txt
     gnnlm generate runs/wikitext2-cpu --prompt "The game was" --row gnn+knn
+    gnnlm reproduce runs/wikitext2 --decode gnn+knn --json served.json
 
 A failure prints one line, ``gnnlm <command>: error: <what was wrong and what to do>``, and
 exits with status 2; ``--debug`` (anywhere on the command line) shows the traceback instead.
@@ -41,6 +42,9 @@ commands:
   generate   gnnlm generate WORKDIR --prompt TEXT --row ROW [--max_new_tokens N] [--greedy |
              --temperature T --top_k K --top_p P] [--seed S] [--show-retrieval]: a
              continuation with retrieval; writes nothing
+  reproduce  gnnlm reproduce WORKDIR [--rows ROW ...] [--decode ROW ...] [--positions N]
+             [--json OUT]: the report's test scores served on this machine (every row's score,
+             the first N prefixes' decoding), against those the report stored; writes only OUT
   fit        train a model (LightningCLI): a base LM, or a head on a pipeline's work directory;
              writes checkpoints and logs under trainer.default_root_dir (unset: under
              <data workdir>/logs/<model class>)
@@ -123,7 +127,8 @@ COMMANDS = {"pipeline": _config_command("pipeline"),
             "explain": _config_command("explain"),
             "verify": _command("gnnlm.workdir.verify"),
             "score": _command("gnnlm.inference.commands", "score_main"),
-            "generate": _command("gnnlm.inference.commands", "generate_main")}
+            "generate": _command("gnnlm.inference.commands", "generate_main"),
+            "reproduce": _command("gnnlm.inference.reproduce")}
 
 
 def error_line(err: BaseException) -> str:

@@ -13,8 +13,7 @@
 #      --rehearsal the slice-size rehearsal (configs/tests/gpu_rehearsal.yaml) instead; further
 #      arguments overlay the pipeline config;
 #   3. with --rehearsal, its work directory served as gnnlm.load serves it (on the CPU), against
-#      its report: python -m gnnlm.inference.reproduce (REPRODUCE_SECONDS, 120, or what the
-#      whole's limit leaves).
+#      its report: gnnlm reproduce (REPRODUCE_SECONDS, 120, or what the whole's limit leaves).
 # It leaves seven files in OUT: bench_gpu.json, results.json, results.md and stage_times.json
 # (the table's, as far as it got), pipeline.log (everything the console showed),
 # test_logprobs.npz (the per-token test scores, when under 15 MiB) and
@@ -86,7 +85,7 @@ if [ -n "$served" ] && [ "$status" = 0 ]; then
     limit=$(part_seconds "${REPRODUCE_SECONDS:-120}" 10)
     if [ "$limit" -gt 0 ]; then
         echo "gpu_check.sh: $served served through gnnlm.load, at most $limit s" | tee -a "$log"
-        timeout -s TERM -k 10 "$limit" "$python" -m gnnlm.inference.reproduce "$served" \
+        timeout -s TERM -k 10 "$limit" "$python" -m gnnlm.cli reproduce "$served" \
             --decode transformer transformer_xl gnn+knn --json "$out/reproduce.json" 2>&1 \
             | tee -a "$log"
         echo "gpu_check.sh: reproduce ended with status ${PIPESTATUS[0]} after $SECONDS s" \

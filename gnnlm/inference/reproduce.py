@@ -1,8 +1,9 @@
-"""Whether ``gnnlm.load`` on this machine gives a work directory's report: the test split served
-through the routes a user takes, against the per-token scores the report stored.
+"""``gnnlm reproduce``: whether ``gnnlm.load`` on this machine gives a work directory's report,
+the test split served through the routes a user takes, against the per-token scores the report
+stored.
 
-    python -m gnnlm.inference.reproduce runs/wikitext2 [--rows ROW ...] [--decode ROW ...]
-                                        [--positions N] [--json OUT]
+    gnnlm reproduce runs/wikitext2 [--rows ROW ...] [--decode ROW ...] [--positions N]
+                    [--json OUT]
 
 Every row's ``score`` of the test tokens the report scored is compared with the report's
 ``test_logprobs.npz``; for the ``--decode`` rows, ``next_token_logprobs`` of the first N
@@ -14,12 +15,11 @@ one built on a GPU differs by the two devices' sums, which this measures
 (``scripts/gpu_check.sh --rehearsal`` runs it on the GPU machine).
 
 It prints one line per row and writes the figures as JSON (``--json``); it writes nothing into
-the work directory.
+the work directory. Bad input (the work directory, a row, ``--positions``, the JSON's folder) is
+refused in one line before any model is loaded.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -99,8 +99,9 @@ def lines(figures: dict[str, Any]) -> list[str]:
 
 
 def main(args: Optional[list[str]] = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m gnnlm.inference.reproduce",
-                                     description=__doc__.split("\n\n")[0])
+    from gnnlm.inference.commands import Parser, check_served
+
+    parser = Parser(prog="gnnlm reproduce", description=__doc__.split("\n\n")[0])
     parser.add_argument("workdir", help="a work directory `gnnlm pipeline` built")
     parser.add_argument("--report", default=None,
                         help="which of its reports (needed when it holds several)")
@@ -112,6 +113,13 @@ def main(args: Optional[list[str]] = None) -> dict[str, Any]:
                         help=f"prefixes decoded per row (default {DECODE_POSITIONS})")
     parser.add_argument("--json", default=None, help="write the figures to this JSON file")
     namespace = parser.parse_args(args)
+    if namespace.positions < 1:
+        raise NotServed(f"--positions must be at least 1 (got {namespace.positions}).")
+    if namespace.json and not Path(namespace.json).resolve().parent.is_dir():
+        raise NotServed(f"--json {namespace.json}: its folder does not exist; create it or "
+                        f"name a file in an existing folder.")
+    check_served(namespace.workdir, namespace.report, [*(namespace.rows or []),
+                                                       *namespace.decode])
     figures = reproduce(namespace.workdir, namespace.report, namespace.rows, namespace.decode,
                         namespace.positions)
     print("\n".join(lines(figures)))
@@ -120,14 +128,3 @@ def main(args: Optional[list[str]] = None) -> dict[str, Any]:
 
         write_json_atomic(namespace.json, figures)
     return figures
-
-
-if __name__ == "__main__":
-    from gnnlm.utils.quiet import quiet_lightning
-
-    quiet_lightning()
-    try:
-        main()
-    except NotServed as err:
-        print(f"reproduce: error: {err}", file=sys.stderr)
-        sys.exit(2)

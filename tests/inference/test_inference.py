@@ -202,16 +202,16 @@ def test_a_half_precision_base_lm_says_once_that_its_cache_rounds_otherwise(work
 
 def test_reproduce_measures_the_served_scores_against_the_report(lm, workdir, results,
                                                                   tmp_path, capsys):
-    """``python -m gnnlm.inference.reproduce``: served where the work directory was built, every
-    row's score of the test split is the report's to the bit, and a prefix's next-token score
-    the report's to float rounding; the figures go to JSON, a bad row is one line."""
-    from gnnlm.inference.reproduce import main
-    from gnnlm.inference.served import NotServed
+    """``gnnlm reproduce``: served where the work directory was built, every row's score of the
+    test split is the report's to the bit, and a prefix's next-token score the report's to float
+    rounding; the figures go to JSON (its bad input is in the table of
+    ``test_bad_input_is_one_line_and_writes_nothing``)."""
+    from gnnlm.cli import main
 
     out = tmp_path / "reproduce.json"
-    figures = main([str(workdir), "--rows", "base", "knn", "gnn+knn", "--decode", "gnn+knn",
-                    "--positions", "8", "--json", str(out)])
-    assert json.loads(out.read_text()) == figures
+    main(["reproduce", str(workdir), "--rows", "base", "knn", "gnn+knn", "--decode", "gnn+knn",
+          "--positions", "8", "--json", str(out)])
+    figures = json.loads(out.read_text())
     assert figures["tokens"] == results["tokens"] and figures["built_on"] == "cpu"
     for row in ("base", "knn", "gnn+knn"):
         assert figures["rows"][row]["equal"] and figures["rows"][row]["max_abs"] == 0, row
@@ -221,8 +221,6 @@ def test_reproduce_measures_the_served_scores_against_the_report(lm, workdir, re
     printed = capsys.readouterr().out.splitlines()
     assert printed[1].startswith("  score    base")
     assert "equal: max |Δ log p| 0.00e+00" in printed[1]
-    with pytest.raises(NotServed, match=r"'nope'"):
-        main([str(workdir), "--decode", "nope"])
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
@@ -261,6 +259,11 @@ def test_reading_takes_no_lock_and_writes_nothing(workdir):
     (["generate", "{workdir}", "--prompt", "a", "--max_new_tokens", "0"],
      "max_new_tokens must be at least 1 (got 0)"),
     (["score", "{workdir}"], "one of the arguments --text --file is required"),
+    (["reproduce", "{workdir}", "--decode", "bogus"], "has no row 'bogus'"),
+    (["reproduce", "{empty}"], "is not a built gnnlm work directory"),
+    (["reproduce", "{workdir}", "--positions", "0"], "--positions must be at least 1 (got 0)"),
+    (["reproduce", "{workdir}", "--json", "{missing}/served.json"],
+     "its folder does not exist"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args, message, workdir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()

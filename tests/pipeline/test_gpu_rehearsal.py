@@ -148,7 +148,7 @@ def test_every_trained_part_ran_the_gpu_config_s_options(rehearsal, part):
 def test_gnnlm_load_serves_each_row_in_the_precision_the_report_scored_it(rehearsal, results):
     """The heads were scored under bf16-mixed autocast (on the CPU too), the base LM and kNN-LM
     in float32: the report and the heads' manifests record it, and ``gnnlm.load`` serves each
-    row the same way. So, as the check's last part measured (``gnnlm.inference.reproduce``,
+    row the same way. So, as the check's last part measured (``gnnlm reproduce``,
     reproduce.json), the test split's tokens give every row's report scores (equal to the bit;
     heads served in float32 were up to 5e-3 nats apart, 7e-6 for GNN-LM), and a prefix's
     next-token distribution gives the report's score of the token that follows, to bf16 kernel
