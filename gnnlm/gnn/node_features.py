@@ -10,8 +10,8 @@ train position (``nbr.train_pos``, 8 bytes) and the model reads the features whe
 
 - on a GPU, from tables resident there: the PQ codes (64 bytes per position, 134 MB for
   WikiText-2's 2.1M) and codebooks, or the float16 features; a decode is one gather;
-- on the CPU, or on a GPU whose free memory cannot hold the tables twice over (said once), from
-  the host arrays, as the workers did, then copied to the device.
+- on the CPU, or on a GPU whose free memory cannot hold the tables twice over (said once a
+  stage), from the host arrays, as the workers did, then copied to the device.
 
 Decoding copies stored values (a centroid per code byte, or float16 widened to float32), so every
 route gives the same float32 bits. The one exception is OPQ's inverse rotation, a matrix product
@@ -87,7 +87,8 @@ class NodeFeatureReader:
             One that also has ``resident_bytes`` and ``on_device(device)`` (``CopiesToDevice``:
             ``gnnlm.gnn.pq.PQFeatures``, ``RawFeatures``) is copied to a GPU the first time the
             GPU reads it, when it fits in half its free memory; any other is read on the host,
-            then copied.
+            then copied. A device refused is asked again after ``reconsider`` (the model calls
+            it as each stage starts: memory a finished stage held may be free by then).
     """
 
     def __init__(self, features: HostFeatures):
@@ -101,6 +102,12 @@ class NodeFeatureReader:
                 return resident(positions)
         rows = self.host(positions.cpu().numpy())
         return torch.as_tensor(np.asarray(rows)).to(positions.device)
+
+    def reconsider(self) -> None:
+        """Forget the devices the features did not fit on (those they fit on keep them): the
+        next read there checks the free memory again."""
+        self._resident = {device: resident for device, resident in self._resident.items()
+                          if resident is not None}
 
     def _on(self, device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
         """The features resident on ``device``, copied there on first use (None: read on the

@@ -138,6 +138,24 @@ class GNNLM(TokenLevelModule):
             self._window_states = states
         return states
 
+    def _reconsider_residency(self) -> None:
+        """A stage starts: the node features refused residency on the GPU in an earlier stage
+        (when a window table or another stage's buffers held its memory) may fit now."""
+        if self._node_features is not None:
+            self._node_features[0].reconsider()
+
+    def on_train_start(self) -> None:
+        self._reconsider_residency()
+
+    def on_validation_start(self) -> None:
+        self._reconsider_residency()
+
+    def on_test_start(self) -> None:
+        self._reconsider_residency()
+
+    def on_predict_start(self) -> None:
+        self._reconsider_residency()
+
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         """Release the window-state table before a training step: training reads window nodes,
         not the table, and its step changes the weights the table was computed from. At the

@@ -94,6 +94,24 @@ def test_a_device_without_room_reads_on_the_host_and_says_so_once(stored, monkey
     assert NodeFeatureReader(lambda q: np.zeros((len(q), D), np.float32))._on(CPU) is None
 
 
+def test_a_refused_device_is_asked_again_after_reconsider(stored, monkeypatch, capsys):
+    """A stage that starts may find the memory an earlier one held free; a device the features
+    were placed on keeps them."""
+    host = PQFeatures(stored.pq("final"))
+    reader = NodeFeatureReader(host)
+    nbytes = host.resident_bytes
+    monkeypatch.setattr(devices, "free_memory", lambda device: 2 * nbytes - 1)
+    assert reader._on(CPU) is None
+    monkeypatch.setattr(devices, "free_memory", lambda device: 2 * nbytes)
+    assert reader._on(CPU) is None                                # until reconsidered
+    reader.reconsider()
+    resident = reader._on(CPU)
+    assert isinstance(resident, ResidentPQ)
+    reader.reconsider()
+    assert reader._on(CPU) is resident                            # not copied again
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
 def test_on_the_cpu_the_reader_decodes_on_the_host(stored):
     host = RawFeatures(stored.features("train"), "final")
     p = positions()

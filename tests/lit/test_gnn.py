@@ -198,3 +198,8 @@ def test_gnnlm_fit_links_the_layout_and_attaches_the_datastore(work, tmp_path):
     assert states is not None and states._table is not None      # validation filled it
     model.on_train_batch_start(None, 0)   # training reads window nodes: the table is released
     assert states._table is None and states.weights_key is None
+    # a device the node features were refused on is asked again when the next stage starts
+    reader = model._node_features[0]
+    reader._resident[torch.device("cpu")] = None
+    cli.trainer.validate(model, datamodule=data, verbose=False)
+    assert torch.device("cpu") not in reader._resident
