@@ -54,7 +54,7 @@ from gnnlm.retrieval.screening_error import (
     next_up,
     screening_queries,
 )
-from gnnlm.utils.devices import free_memory, torch_device, why_not_resident
+from gnnlm.utils.devices import free_memory, same_device, torch_device, why_not_resident
 from gnnlm.utils.progress import say
 
 SCREENS = ("auto", "float16", "float32")
@@ -108,7 +108,8 @@ class ExactSearch(ExactScores):
             say(f"[gnnlm] exact search: float16 products on {on} are not summed in "
                 f"float32, so their error cannot be bounded: screening in float32 instead")
             self.screen = "float32"
-        if on.type == "cuda" and not (isinstance(keys, torch.Tensor) and keys.device == on):
+        if on.type == "cuda" and not (isinstance(keys, torch.Tensor)
+                                      and same_device(keys.device, on)):  # not yet resident
             keys = self._to_gpu(keys, on)
         super().__init__(keys, metric, on, chunk)
         self.stats = {"queries": 0, "widened": 0, "rescreened": 0, "exhaustive": 0}

@@ -87,6 +87,19 @@ def torch_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two torch devices are one: an unnumbered ``cuda`` (``torch_device("auto")``'s) is
+    the current GPU, where torch places a tensor sent there (torch compares ``cuda`` and
+    ``cuda:0`` as different devices)."""
+    import torch
+
+    def numbered(device: torch.device) -> torch.device:
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+    return numbered(a) == numbered(b)
+
+
 def free_memory(device: torch.device) -> Optional[int]:
     """Bytes free on a CUDA device (None elsewhere: no limit is checked): what the driver has
     free, and what torch's caching allocator holds unused, which it hands out first (a window

@@ -41,6 +41,20 @@ def test_free_gpu_memory_counts_what_torch_s_allocator_holds_unused(monkeypatch)
     assert devices.free_memory(torch.device("cpu")) is None
 
 
+def test_an_unnumbered_gpu_is_the_current_one(monkeypatch):
+    """``cuda`` (what ``torch_device("auto")`` gives) and a tensor's ``cuda:0`` are one device
+    while GPU 0 is current: keys already there are not placed (and sized) again."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda, first, second = torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert cuda != first                                  # torch's own comparison
+    assert devices.same_device(cuda, first) and devices.same_device(first, cuda)
+    assert not devices.same_device(cuda, second) and devices.same_device(second, second)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)   # a DDP rank's
+    assert devices.same_device(cuda, second) and not devices.same_device(cuda, first)
+    cpu = torch.device("cpu")
+    assert devices.same_device(cpu, torch.device("cpu")) and not devices.same_device(cpu, cuda)
+
+
 def test_faiss_device():
     assert faiss_device("cpu") == "cpu"
     if faiss_has_gpu():
