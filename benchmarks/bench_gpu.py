@@ -26,7 +26,8 @@ GNN-LM of 3 layers and 8 heads over blocks of 128 targets):
 - ``gnn_eval``: GNN-LM's evaluation with each retrieved window computed once, against the base
   LM's evaluation of the same tokens (sliding windows, stride half the context).
 - ``pq_codebooks``: the PQ codec's codebooks (``pq.clustering: torch``): 64 sub-spaces of 8
-  dimensions of 65,536 features, 256 centroids each, faiss's 25 iterations;
+  dimensions of 65,536 features, 256 centroids each, faiss's 25 iterations; whether the timed
+  run and its warm-up gave the same bytes (``same_bytes_twice``);
 - ``knn_sweep``: one kNN-LM fit's (k, T, λ) grid (the table's: 8 k × 9 T × 20 λ) over a valid
   cache of WikiText-2's size (217,646 tokens × 1,024 neighbours) on the device, against the
   CPU's sweep of its first rows, and the largest relative gap between their perplexities.
@@ -417,8 +418,11 @@ def pq_codebooks(s: Shapes, device: torch.device) -> dict:
     m = s.dim // 8
     x = clustered(s.pq_points, s.dim, device, seed=3).float()
     subspaces = x.view(len(x), m, 8).transpose(0, 1).contiguous()             # [m, n, 8]
-    seconds = timed(lambda: batched_kmeans(subspaces, 256, 25, seed=1234), device, repeat=1)
-    return {"pq_codebooks": {"seconds": seconds, "subspaces": m, "points": s.pq_points}}
+    runs: list[torch.Tensor] = []
+    seconds = timed(lambda: runs.append(batched_kmeans(subspaces, 256, 25, seed=1234)), device,
+                    repeat=1)
+    return {"pq_codebooks": {"seconds": seconds, "subspaces": m, "points": s.pq_points,
+                             "same_bytes_twice": bool(torch.equal(runs[0], runs[1]))}}
 
 
 def knn_sweep(s: Shapes, device: torch.device) -> dict:

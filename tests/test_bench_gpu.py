@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from tests.conftest import REPO
 
 
@@ -31,10 +33,12 @@ def test_every_stage_reports_its_rate_and_limit(tmp_path):
         assert record[f"gnn_train[{k}]"]["tokens_per_s"] > 0
         assert record[f"gnn_train[{k}]"]["graphs_built_tokens_per_s_one_core"] > 0
     assert record["gnn_eval"]["time_vs_base_lm"] > 0
-    assert record["pq_codebooks"]["seconds"] > 0
+    assert record["pq_codebooks"]["seconds"] > 0 and record["pq_codebooks"]["same_bytes_twice"]
     sweep = record["knn_sweep"]
     assert sweep["seconds"] > 0 and sweep["cpu_seconds_estimate"] > 0
     assert sweep["points"] == 4 * 9 * 20
-    assert sweep["max_relative_gap_to_cpu"] == 0.0     # the same device here: the same bits
+    if not torch.cuda.is_available():                  # the same device: the same bits
+        assert sweep["max_relative_gap_to_cpu"] == 0.0
+    assert sweep["max_relative_gap_to_cpu"] < 1e-5      # a GPU's exp rounds otherwise
     assert "exact search" in result.stdout and "GNN-LM evaluation" in result.stdout
     assert "kNN-LM fit" in result.stdout

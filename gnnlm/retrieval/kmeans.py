@@ -8,10 +8,12 @@ each update (faiss does so for inner-product IVF quantizers). Assignment is by t
 product (``metric="ip"``) or the smallest squared distance (``"l2"``), one matrix product per
 block of points. ``batched_kmeans`` clusters several sets at once ([m, n, d] points into
 [m, k, d] centroids): the m sub-spaces of a product quantizer in one call. On a GPU both run in
-seconds where faiss-cpu takes tens of seconds (``benchmarks/bench_gpu.py``). There a cluster's
-sum is made of atomic additions in no fixed order, so two runs from scratch may give centroids
-a last bit apart; on a CPU they are the same bytes. (A stage that trains them writes them before
-it encodes with them, so a resumed stage reads the ones it began with.)
+seconds where faiss-cpu takes tens of seconds (``benchmarks/bench_gpu.py``). Every run gives the
+same bytes on one device: a cluster's sum adds its points in their order (on a GPU through
+``index_put_``'s sorted accumulation, as ``index_add_`` there adds atomically in no fixed
+order), and ties in assignment go to the first centroid. A GPU's bytes differ from a CPU's by
+the rounding of their matrix products. (A stage that trains centroids writes them before it
+encodes with them, so a resumed stage reads the ones it began with either way.)
 """
 from __future__ import annotations
 
@@ -37,14 +39,25 @@ def assign(x: torch.Tensor, centroids: torch.Tensor, metric: str = "l2") -> torc
     return torch.cat(out, dim=-1)
 
 
+def cluster_sums(points: torch.Tensor, labels: torch.Tensor, clusters: int) -> torch.Tensor:
+    """The sum of each cluster's points [clusters, d], the same bytes every run: CUDA's
+    ``index_add_`` adds by atomics in whatever order its threads reach them, where
+    ``index_put_(accumulate=True)`` sorts the labels and adds each cluster's points in order
+    (torch lists the one as nondeterministic on CUDA, not the other); on a CPU ``index_add_``
+    adds in order, and ``index_put_`` is the one that does not."""
+    sums = torch.zeros(clusters, points.shape[1], dtype=points.dtype, device=points.device)
+    if points.device.type == "cuda":
+        return sums.index_put_((labels,), points, accumulate=True)
+    return sums.index_add_(0, labels, points)
+
+
 def _update(x: torch.Tensor, labels: torch.Tensor, k: int, generator: torch.Generator
             ) -> torch.Tensor:
     """New centroids [m, k, d] of points ``x`` [m, n, d] labelled ``labels`` [m, n]; an empty
     cluster takes half of the largest one."""
     m, _, d = x.shape
     flat = (labels + torch.arange(m, device=x.device)[:, None] * k).reshape(-1)
-    sums = torch.zeros(m * k, d, dtype=x.dtype, device=x.device).index_add_(
-        0, flat, x.reshape(-1, d))
+    sums = cluster_sums(x.reshape(-1, d), flat, m * k)
     counts = torch.bincount(flat, minlength=m * k).reshape(m, k).to(x.dtype)
     centroids = (sums.reshape(m, k, d) / counts.clamp(min=1)[..., None])
     for s, j in torch.nonzero(counts == 0).tolist():  # rare: a loop is clear and cheap

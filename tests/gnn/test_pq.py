@@ -23,6 +23,7 @@ from gnnlm.gnn.pq import (
     train_codebooks,
 )
 from gnnlm.retrieval.kmeans import batched_kmeans
+from gnnlm.utils.devices import torch_device
 from gnnlm.workdir.layout import Workdir
 from gnnlm.workdir.manifests import open_array, read_manifest
 from gnnlm.workdir.refusals import ArtifactError
@@ -233,8 +234,8 @@ def test_torch_s_k_means_trains_the_codebooks_faiss_encodes_with(built, tmp_path
     codec = faiss.read_index(str(other.pq("final") / "codec.faiss"))
     sample = x.astype(np.float16).astype(np.float32)[_sample(N, CFG.train_sample, CFG.seed)]
     subspaces = torch.from_numpy(sample).view(len(sample), 2, D // 2).transpose(0, 1)
-    expected = batched_kmeans(subspaces.contiguous(), 256, codec.pq.cp.niter,
-                              seed=codec.pq.cp.seed)
+    expected = batched_kmeans(subspaces.contiguous().to(torch_device("auto")), 256,
+                              codec.pq.cp.niter, seed=codec.pq.cp.seed).cpu()  # where it ran
     np.testing.assert_array_equal(
         faiss.vector_to_array(codec.pq.centroids).reshape(2, 256, D // 2), expected.numpy())
     codes = np.ascontiguousarray(open_array(other.pq("final"), "codes"))
@@ -245,7 +246,8 @@ def test_torch_s_k_means_trains_the_codebooks_faiss_encodes_with(built, tmp_path
 
 
 def test_what_trains_the_codebooks(monkeypatch):
-    assert clustering_of(PQConfig(opq=False)) == "faiss"                 # no GPU here
+    assert clustering_of(PQConfig(opq=False)) == (
+        "torch" if torch.cuda.is_available() else "faiss")
     assert clustering_of(PQConfig(opq=False, clustering="torch")) == "torch"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert clustering_of(PQConfig(opq=False)) == "torch"
