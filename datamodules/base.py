@@ -27,9 +27,18 @@ from datamodules.splits import TEXT, SplitArrays, TextArrays
 from gnnlm.models.base import LogitTransform
 from gnnlm.models.encode import stream_tensor
 from gnnlm.retrieval.features import load_output_embedding
+from gnnlm.utils.devices import pin_memory
+from gnnlm.utils.stopping import worker_init
 from gnnlm.workdir.layout import SPLITS, Workdir
 from gnnlm.workdir.manifests import is_complete
 from gnnlm.workdir.refusals import ArtifactError
+
+
+def loader_options() -> dict[str, Any]:
+    """What every loader of these data modules is built with: batches pinned when there is a GPU
+    to copy them to, and workers that a stop signal ends quietly whoever sent it
+    (``gnnlm.utils.stopping.worker_init``)."""
+    return {"pin_memory": pin_memory(), "worker_init_fn": worker_init}
 
 
 class WorkdirDataModule(pl.LightningDataModule):

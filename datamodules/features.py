@@ -16,11 +16,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.base import WorkdirDataModule
+from datamodules.base import WorkdirDataModule, loader_options
 from datamodules.sampling import eval_sampler
 from datamodules.splits import SplitArrays
 from gnnlm.retrieval.neighbors import neighbor_values
-from gnnlm.utils.devices import pin_memory
 
 
 class NeighborValues:
@@ -113,7 +112,7 @@ class FeatureDataModule(WorkdirDataModule):
         data = FeatureBlocks(self.arrays, split, self.key, self.block_size, values,
                              self.train_tokens if split == "train" else self.eval_tokens)
         return DataLoader(data, batch_size=None, shuffle=train, num_workers=self.workers(split),
-                          pin_memory=pin_memory(),
+                          **loader_options(),
                           sampler=None if train else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

@@ -44,13 +44,12 @@ from torch.utils.data import Dataset
 from torch_geometric.data import HeteroData
 from torch_geometric.loader import DataLoader
 
-from datamodules.base import WorkdirDataModule
+from datamodules.base import WorkdirDataModule, loader_options
 from datamodules.sampling import eval_sampler
 from datamodules.splits import SplitArrays, TextArrays
 from gnnlm.gnn.graph import GraphConfig, build_context_graph, build_graph
 from gnnlm.gnn.pq import PQFeatures, RawFeatures
 from gnnlm.gnn.settings import GraphLayout
-from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.manifests import read_manifest
 
 
@@ -242,7 +241,7 @@ class GraphDataModule(WorkdirDataModule):
     def _loader(self, split: str, train: bool, k: Optional[int] = None) -> DataLoader:
         data = self.dataset(split, k)
         return DataLoader(data, batch_size=self.batch_size if train else self.eval_batch_size,
-                          shuffle=train, num_workers=self.workers(split), pin_memory=pin_memory(),
+                          shuffle=train, num_workers=self.workers(split), **loader_options(),
                           persistent_workers=False,
                           sampler=None if train else eval_sampler(self, data))
 

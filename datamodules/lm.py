@@ -25,13 +25,13 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.base import loader_options
 from datamodules.sampling import eval_sampler
 from gnnlm.models import protocols
 from gnnlm.models.encode import open_with_bos, sliding_windows, stream_tensor
 from gnnlm.models.protocols import Protocol
 from gnnlm.models.segments import StreamSegments
 from gnnlm.text.tokens import TokenizerConfig, TokenStore, build_tokens
-from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.layout import Workdir
 
 
@@ -156,11 +156,11 @@ class LMDataModule(pl.LightningDataModule):
         if self._memory_model():
             return DataLoader(self._segments("train", self.batch_size),
                               batch_size=self.batch_size, shuffle=False,
-                              num_workers=self.num_workers, pin_memory=pin_memory())
+                              num_workers=self.num_workers, **loader_options())
         # workers kept between epochs: the blocks never change, and a GPU epoch is seconds
         return DataLoader(Blocks(self.stream("train"), self.block_size),
                           batch_size=self.batch_size, shuffle=True,
-                          num_workers=self.num_workers, pin_memory=pin_memory(), drop_last=True,
+                          num_workers=self.num_workers, **loader_options(), drop_last=True,
                           persistent_workers=self.num_workers > 0)
 
     def _eval_loader(self, split: str) -> DataLoader:
@@ -170,7 +170,7 @@ class LMDataModule(pl.LightningDataModule):
         else:
             data = SlidingWindows(self.stream(split), self.eval_context, self.eval_stride)
         return DataLoader(data, batch_size=self.eval_batch_size, shuffle=False,
-                          num_workers=self.num_workers, pin_memory=pin_memory(),
+                          num_workers=self.num_workers, **loader_options(),
                           sampler=eval_sampler(self, data))
 
     def val_dataloader(self) -> DataLoader:

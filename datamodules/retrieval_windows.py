@@ -17,13 +17,12 @@ from typing import Optional
 
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.base import WorkdirDataModule
+from datamodules.base import WorkdirDataModule, loader_options
 from datamodules.features import NeighborValues
 from datamodules.lm import Blocks, SlidingWindows
 from datamodules.sampling import eval_sampler
 from gnnlm.models import hf_options, protocols
 from gnnlm.models.protocols import Protocol
-from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.layout import SPLITS
 from gnnlm.workdir.manifests import read_manifest
 from gnnlm.workdir.refusals import ArtifactError
@@ -107,7 +106,7 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
                         self.window_bos)
         data = WithNeighborValues(blocks, values)
         return DataLoader(data, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers, pin_memory=pin_memory())
+                          num_workers=self.num_workers, **loader_options())
 
     def eval_dataloader(self, split: str) -> DataLoader:
         values = self._values(split)
@@ -119,5 +118,5 @@ class RetrievalWindowsDataModule(WorkdirDataModule):
                                  self.stride, self.window_bos)
         data = WithNeighborValues(windows, values)
         return DataLoader(data, batch_size=self.eval_batch_size, shuffle=False,
-                          num_workers=self.workers(split), pin_memory=pin_memory(),
+                          num_workers=self.workers(split), **loader_options(),
                           sampler=eval_sampler(self, data))

@@ -26,13 +26,12 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from datamodules.base import WorkdirDataModule
+from datamodules.base import WorkdirDataModule, loader_options
 from datamodules.features import NeighborValues
 from datamodules.sampling import eval_sampler
 from gnnlm.models import protocols
 from gnnlm.models.protocols import Protocol
 from gnnlm.models.segments import StreamSegments
-from gnnlm.utils.devices import pin_memory
 from gnnlm.workdir.layout import SPLITS
 from gnnlm.workdir.manifests import read_manifest
 from gnnlm.workdir.refusals import ArtifactError
@@ -168,7 +167,7 @@ class SpalmDataModule(WorkdirDataModule):
             batch_size = n_streams // world
         data = self.segments(split, n_streams)
         return DataLoader(data, batch_size=batch_size, shuffle=False,
-                          num_workers=self.workers(split), pin_memory=pin_memory(),
+                          num_workers=self.workers(split), **loader_options(),
                           sampler=None if split == "train" else eval_sampler(self, data))
 
     def train_dataloader(self) -> DataLoader:

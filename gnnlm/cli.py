@@ -22,8 +22,7 @@ import sys
 import traceback
 
 from gnnlm.lit import LIGHTNING_COMMANDS
-from gnnlm.utils.stopping import Stopped, handling_stop_signals
-from gnnlm.utils.stopping import received as stop_signal
+from gnnlm.utils.stopping import Stopped, handling_stop_signals, stopped_by_signal
 
 USAGE = """usage: gnnlm COMMAND [-c CONFIG ...] [--section.field=value ...] [--debug]
 
@@ -177,11 +176,11 @@ def main(argv: list[str] | None = None) -> None:
                     from gnnlm.lit.cli import lightning_main
 
                     lightning_main(words)
-            except SystemExit:
-                signum = stop_signal()
-                if signum is None:
+            except (Exception, SystemExit, KeyboardInterrupt) as err:
+                stop = stopped_by_signal(err)  # an exit or error the signal caused
+                if stop is None:
                     raise
-                raise Stopped(signum) from None  # an exit a library made of the signal
+                raise stop from err
     except Stopped as stop:
         if debug:
             traceback.print_exc()

@@ -85,7 +85,7 @@ if [ -n "$served" ] && [ "$status" = 0 ]; then
     limit=$(part_seconds "${REPRODUCE_SECONDS:-120}" 10)
     if [ "$limit" -gt 0 ]; then
         echo "gpu_check.sh: $served served through gnnlm.load, at most $limit s" | tee -a "$log"
-        timeout -s TERM -k 10 "$limit" "$python" -m gnnlm.cli reproduce "$served" \
+        timeout --foreground -s TERM -k 10 "$limit" "$python" -m gnnlm.cli reproduce "$served" \
             --decode transformer transformer_xl gnn+knn --json "$out/reproduce.json" 2>&1 \
             | tee -a "$log"
         echo "gpu_check.sh: reproduce ended with status ${PIPESTATUS[0]} after $SECONDS s" \

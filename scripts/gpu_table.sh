@@ -53,10 +53,13 @@ mkdir -p "$out"
 # 4. every stage, offline; the console's lines are kept in the log. With GNNLM_TABLE_SECONDS
 # the run is told to stop (SIGTERM) after that many seconds: it stops at once, keeps every
 # finished artifact and chunk, and still leaves stage_times.json (what it reached) in OUTDIR.
-# The limit counts from this script's start (the install and the check above included).
+# The limit counts from this script's start (the install and the check above included). The
+# signal goes to the run alone (--foreground), once: it finishes its training step, saves the
+# checkpoint to resume from, and shuts its DataLoader workers down itself.
 limit=()
 [ -n "${GNNLM_TABLE_SECONDS:-}" ] &&  # (timeout 0 would mean no limit at all)
-    limit=(timeout -s TERM -k 30 "$(( GNNLM_TABLE_SECONDS > SECONDS ? GNNLM_TABLE_SECONDS - SECONDS : 1 ))")
+    limit=(timeout --foreground -s TERM -k 30
+           "$(( GNNLM_TABLE_SECONDS > SECONDS ? GNNLM_TABLE_SECONDS - SECONDS : 1 ))")
 "${limit[@]}" "$python" -m gnnlm.cli pipeline -c configs/wikitext2/pipeline.yaml "$@" \
     --copy_report_to "$out" 2>&1 | tee "$out/pipeline.log"
 

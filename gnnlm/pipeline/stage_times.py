@@ -22,8 +22,12 @@ from typing import Optional
 
 from gnnlm.utils.progress import format_seconds, say
 from gnnlm.utils.provenance import code_version
-from gnnlm.utils.stopping import Stopped
+from gnnlm.utils.stopping import Stopped, stopped_by_signal
 from gnnlm.workdir.manifests import write_json_atomic
+
+# what may end a run told to stop: the stop itself, or an error raised after its signal (a
+# loader whose workers the signal ended, Lightning's SIGTERM exit), which stands for it
+STOPPING = (Stopped, Exception, SystemExit, KeyboardInterrupt)
 
 
 class StageTimes:
@@ -39,10 +43,15 @@ class StageTimes:
         token = _RUNNING.set(self)
         try:
             yield self
-        except Stopped as stop:  # between two stages (scoring what one built): after which
+        except STOPPING as err:  # between two stages (scoring what one built): after which
+            stop = stopped_by_signal(err)
+            if stop is None:
+                raise
             if stop.stage is None and self.stages:
                 stop.after = self.stages[-1]["stage"]
-            raise
+            if stop is err:
+                raise
+            raise stop from err
         finally:
             _RUNNING.reset(token)
 
@@ -78,13 +87,19 @@ def timed(stage: str) -> Iterator[None]:
     """Record the wall time of the block as ``stage`` in the run's ``StageTimes``, if a run is
     being timed (a stage called on its own, by a test or another command, records nothing).
     A block that raises records nothing: the run stops there. A run stopped by a signal
-    (``gnnlm.utils.stopping.Stopped``) learns here the stage it stopped at: the innermost."""
+    (``gnnlm.utils.stopping.Stopped``, or an error raised after the signal) learns here the
+    stage it stopped at: the innermost."""
     times = _RUNNING.get()
     t0 = time.perf_counter()
     try:
         yield
-    except Stopped as stop:
+    except STOPPING as err:
+        stop = stopped_by_signal(err)
+        if stop is None:
+            raise
         stop.stage = stop.stage or stage
-        raise
+        if stop is err:
+            raise
+        raise stop from err
     if times is not None:
         times.add(stage, time.perf_counter() - t0)

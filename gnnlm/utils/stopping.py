@@ -18,9 +18,14 @@ training batch, ``on_train_batch_start`` to ``on_train_batch_end``) the signal i
 and the fit stops at the end of that step, after saving the checkpoint it resumes from. A
 second signal during the step stops at once.
 
-Processes forked from the run (DataLoader workers) inherit the handler; there a signal raises
-``KeyboardInterrupt``, on which a worker exits quietly (the run itself stops and shuts them
-down). Processes spawned for sharded builds are terminated by the run
+Processes forked from the run inherit the handler; there a signal raises ``KeyboardInterrupt``.
+A DataLoader worker exits quietly on it (the run itself stops and shuts the others down), but
+torch gives each worker its own SIGTERM handler, which dies by a signal that did not come from
+the worker's parent: after a signal sent to the whole process group (``timeout``, a terminal,
+SLURM) the run's loader may then raise "DataLoader worker ... killed by signal" while the run
+is stopping. The data modules' loaders put ours back (``worker_init``), and an
+error raised after a stop signal (a loader whose workers it ended) stops the run as the signal
+does (``stopped_by_signal``). Processes spawned for sharded builds are terminated by the run
 (``gnnlm.workdir.ranks``).
 """
 from __future__ import annotations
@@ -110,6 +115,29 @@ def handling_stop_signals() -> Iterator[None]:
         for signum, handler in before.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         _state = None
+
+
+def worker_init(worker_id: int) -> None:
+    """A DataLoader's ``worker_init_fn``: a stop signal ends the worker quietly whoever sent it
+    (module docstring). With ``seed_everything(workers=True)`` it seeds the worker as the
+    ``worker_init_fn`` Lightning adds to a loader without one would."""
+    if _state is not None:  # forked from a run that handles stop signals
+        signal.signal(signal.SIGTERM, _handler)
+    if int(os.environ.get("PL_SEED_WORKERS", 0)):
+        from lightning_fabric.utilities.seed import pl_worker_init_function
+
+        pl_worker_init_function(worker_id)
+
+
+def stopped_by_signal(err: BaseException) -> Optional[Stopped]:
+    """The stop an error raised after a stop signal stands for (None: no signal came, and the
+    error is the run's own). After the signal the run is ending anyway; what fails then (a
+    loader whose workers the signal ended, Lightning's own SIGTERM exit) is part of stopping,
+    and the run stops as the signal says: its stage times written, the stop's one line, 143."""
+    if isinstance(err, Stopped):
+        return err
+    signum = received()
+    return None if signum is None else Stopped(signum)
 
 
 def received() -> Optional[int]:

@@ -79,6 +79,78 @@ def test_a_second_signal_during_a_deferred_block_stops_at_once():
             pytest.fail("the second signal did not stop the block")
 
 
+class SlowItems(torch.utils.data.Dataset):
+    """Items a worker takes a while to make (a training step's batch being built)."""
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.01)
+        return i
+
+
+def test_a_worker_signalled_by_another_process_than_its_parent_exits_quietly():
+    """A signal sent to the whole process group (``timeout``, a terminal, SLURM) reaches the
+    workers from another process than their parent: torch's own handler dies by it, and the
+    run's loader then raises "worker ... killed by signal" in the step the run is finishing.
+    With ``worker_init`` the worker ends as on SIGINT, status 0, and the run stops itself."""
+    with stopping.handling_stop_signals():
+        loader = torch.utils.data.DataLoader(SlowItems(), batch_size=4, num_workers=1,
+                                             worker_init_fn=stopping.worker_init)
+        batches = iter(loader)
+        next(batches)
+        (worker,) = batches._workers
+        subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)  # not from its parent
+        worker.join(30)
+        assert worker.exitcode == 0
+        del batches
+        assert stopping.received() is None                 # the run itself was not signalled
+
+
+def test_a_worker_is_seeded_as_lightning_seeds_it(monkeypatch):
+    """Lightning adds its own ``worker_init_fn`` only to a loader without one: under
+    ``seed_everything(workers=True)`` ours seeds the worker the same way."""
+    from functools import partial
+
+    import numpy as np
+    from lightning_fabric.utilities.seed import pl_worker_init_function
+
+    class Draws(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> tuple[int, int]:
+            return int(np.random.randint(1 << 30)), int(torch.randint(1 << 30, (1,)))
+
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+
+    def draws(init) -> list:
+        torch.manual_seed(0)
+        loader = torch.utils.data.DataLoader(Draws(), batch_size=None, num_workers=2,
+                                             worker_init_fn=init)
+        return list(loader)
+
+    assert draws(stopping.worker_init) == draws(partial(pl_worker_init_function, rank=0))
+
+
+def test_an_error_after_a_stop_signal_is_the_stop():
+    """What fails once a run is told to stop (a loader whose workers the signal ended) stops
+    the run as the signal does, at the stage it was in; an error without a signal is the
+    run's own."""
+    with pytest.raises(stopping.Stopped) as stop:
+        with stopping.handling_stop_signals(), StageTimes().running():
+            with timed("base_lm"):
+                stopping.begin_deferring()              # a training step
+                os.kill(os.getpid(), signal.SIGTERM)    # recorded until the step ends
+                raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Terminated.")
+    assert stop.value.stage == "base_lm" and stop.value.exit_code == 143
+    assert isinstance(stop.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match="its own"):
+        with stopping.handling_stop_signals(), StageTimes().running(), timed("base_lm"):
+            raise RuntimeError("its own")
+
+
 # --- real runs of `gnnlm` on a WikiText-2 slice ----------------------------------------------
 
 # The test pipeline (configs/tests/pipeline.yaml) cut down: a 60-step base LM, features of
@@ -118,9 +190,10 @@ class Run:
     def __init__(self, args: list[str], cwd: Path, log: str):
         self.log, self.out = cwd / f"{log}.err", cwd / f"{log}.out"
         self.stderr, self.stdout = open(self.log, "w"), open(self.out, "w")
+        # a process group of its own, which ``stop(group=True)`` signals whole
         self.proc = subprocess.Popen([sys.executable, "-m", "gnnlm.cli", *args], cwd=cwd,
                                      env={**os.environ, **ENV}, stdout=self.stdout,
-                                     stderr=self.stderr)
+                                     stderr=self.stderr, start_new_session=True)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -140,10 +213,16 @@ class Run:
                 raise AssertionError(f"no {what} after {WAIT_SECONDS} s:\n{self.text()[-4000:]}")
             time.sleep(0.05)
 
-    def stop(self, signum: int = signal.SIGTERM) -> tuple[int, float, str]:
-        """Send ``signum``; (exit status, seconds until the run ended, its last line)."""
+    def stop(self, signum: int = signal.SIGTERM, group: bool = False
+             ) -> tuple[int, float, str]:
+        """Send ``signum`` to the run (``group``: to every process of its group, its DataLoader
+        workers too, as ``timeout`` and a terminal do); (exit status, seconds until the run
+        ended, its last line)."""
         t0 = time.monotonic()
-        self.proc.send_signal(signum)
+        if group:
+            os.killpg(self.proc.pid, signum)
+        else:
+            self.proc.send_signal(signum)
         try:
             code = self.proc.wait(STOP_SECONDS)
         except subprocess.TimeoutExpired:
@@ -340,3 +419,33 @@ def test_sigint_exits_130(stopped_runs):
     assert code == 130 and seconds < STOP_SECONDS, text[-3000:]
     assert last == "gnnlm pipeline: stopped by SIGINT at base_lm; rerun to resume"
     assert lock_is_free(cwd / "runs" / "sigint")
+
+
+WORKERS = """\
+data:
+  init_args:
+    num_workers: 2
+"""
+
+
+@pytest.mark.integration
+def test_sigterm_to_the_whole_group_ends_the_step_and_exits_143(stopped_runs):
+    """The base LM trained with two DataLoader workers, and SIGTERM sent to the run's whole
+    process group, workers included: the workers end quietly, the run stops as for a signal
+    to it alone (no "DataLoader worker ... killed by signal" error), records where, and is
+    released."""
+    cwd = stopped_runs["cwd"]
+    (cwd / "workers.yaml").write_text(WORKERS)
+    (cwd / "group.yaml").write_text(STOP_PIPELINE.replace(
+        "short_lm.yaml]", "short_lm.yaml, workers.yaml]").replace("runs/stop", "runs/group"))
+    run = Run([*PIPELINE[:-1], "group.yaml"], cwd, "group")
+    run.wait_for(lambda: "fit LanguageModel: step 5/60" in run.text(), "fifth training step")
+    code, seconds, last = run.stop(group=True)
+    text = run.text()
+    assert code == 143 and seconds < STOP_SECONDS, text[-3000:]
+    assert last == "gnnlm pipeline: stopped by SIGTERM at base_lm; rerun to resume", text[-3000:]
+    assert "killed by signal" not in text and "error:" not in text
+    times = json.loads((cwd / "runs" / "group" / "reports" / "stop" / "stage_times.json")
+                       .read_text())
+    assert times["stopped"] == "stopped by SIGTERM at base_lm"
+    assert lock_is_free(cwd / "runs" / "group")
