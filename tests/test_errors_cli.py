@@ -139,7 +139,7 @@ def test_a_missing_fit_config_listed_by_the_pipeline(tmp_path, capsys):
      "it)."),
     (["fitt", *LM],
      "gnnlm fitt: error: unknown command 'fitt': the commands are pipeline, sweep, explain, "
-     "verify, score, generate, fit, validate, test, predict (gnnlm --help)."),
+     "verify, score, generate, reproduce, fit, validate, test, predict (gnnlm --help)."),
 ])
 def test_a_fit_command_line_error_is_one_line_without_the_usage(args, message, capsys):
     with pytest.raises(SystemExit) as stop:
