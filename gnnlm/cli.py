@@ -22,7 +22,7 @@ import sys
 import traceback
 
 from gnnlm.lit import LIGHTNING_COMMANDS
-from gnnlm.utils.stopping import Stopped, handling_stop_signals, stopped_by_signal
+from gnnlm.utils.stopping import Stopped, errors_as_stop, handling_stop_signals
 
 USAGE = """usage: gnnlm COMMAND [-c CONFIG ...] [--section.field=value ...] [--debug]
 
@@ -167,20 +167,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     command = words[0]
     try:
-        with handling_stop_signals():
-            try:
-                check_command_line(command, words[1:])
-                if command in COMMANDS:
-                    COMMANDS[command](words[1:])
-                else:
-                    from gnnlm.lit.cli import lightning_main
+        # an exit or error the signal caused (a library's SystemExit, a failing loader) is the stop
+        with handling_stop_signals(), errors_as_stop():
+            check_command_line(command, words[1:])
+            if command in COMMANDS:
+                COMMANDS[command](words[1:])
+            else:
+                from gnnlm.lit.cli import lightning_main
 
-                    lightning_main(words)
-            except (Exception, SystemExit, KeyboardInterrupt) as err:
-                stop = stopped_by_signal(err)  # an exit or error the signal caused
-                if stop is None:
-                    raise
-                raise stop from err
+                lightning_main(words)
     except Stopped as stop:
         if debug:
             traceback.print_exc()

@@ -22,12 +22,8 @@ from typing import Optional
 
 from gnnlm.utils.progress import format_seconds, say
 from gnnlm.utils.provenance import code_version
-from gnnlm.utils.stopping import Stopped, stopped_by_signal
+from gnnlm.utils.stopping import Stopped, errors_as_stop
 from gnnlm.workdir.manifests import write_json_atomic
-
-# what may end a run told to stop: the stop itself, or an error raised after its signal (a
-# loader whose workers the signal ended, Lightning's SIGTERM exit), which stands for it
-STOPPING = (Stopped, Exception, SystemExit, KeyboardInterrupt)
 
 
 class StageTimes:
@@ -42,16 +38,12 @@ class StageTimes:
     def running(self) -> Iterator[StageTimes]:
         token = _RUNNING.set(self)
         try:
-            yield self
-        except STOPPING as err:  # between two stages (scoring what one built): after which
-            stop = stopped_by_signal(err)
-            if stop is None:
-                raise
+            with errors_as_stop():
+                yield self
+        except Stopped as stop:  # between two stages (scoring what one built): after which
             if stop.stage is None and self.stages:
                 stop.after = self.stages[-1]["stage"]
-            if stop is err:
-                raise
-            raise stop from err
+            raise
         finally:
             _RUNNING.reset(token)
 
@@ -92,14 +84,10 @@ def timed(stage: str) -> Iterator[None]:
     times = _RUNNING.get()
     t0 = time.perf_counter()
     try:
-        yield
-    except STOPPING as err:
-        stop = stopped_by_signal(err)
-        if stop is None:
-            raise
+        with errors_as_stop():
+            yield
+    except Stopped as stop:
         stop.stage = stop.stage or stage
-        if stop is err:
-            raise
-        raise stop from err
+        raise
     if times is not None:
         times.add(stage, time.perf_counter() - t0)

@@ -25,7 +25,7 @@ the worker's parent: after a signal sent to the whole process group (``timeout``
 SLURM) the run's loader may then raise "DataLoader worker ... killed by signal" while the run
 is stopping. The data modules' loaders put ours back (``worker_init``), and an
 error raised after a stop signal (a loader whose workers it ended) stops the run as the signal
-does (``stopped_by_signal``). Processes spawned for sharded builds are terminated by the run
+does (``errors_as_stop``). Processes spawned for sharded builds are terminated by the run
 (``gnnlm.workdir.ranks``).
 """
 from __future__ import annotations
@@ -129,15 +129,20 @@ def worker_init(worker_id: int) -> None:
         pl_worker_init_function(worker_id)
 
 
-def stopped_by_signal(err: BaseException) -> Optional[Stopped]:
-    """The stop an error raised after a stop signal stands for (None: no signal came, and the
-    error is the run's own). After the signal the run is ending anyway; what fails then (a
-    loader whose workers the signal ended, Lightning's own SIGTERM exit) is part of stopping,
-    and the run stops as the signal says: its stage times written, the stop's one line, 143."""
-    if isinstance(err, Stopped):
-        return err
-    signum = received()
-    return None if signum is None else Stopped(signum)
+@contextmanager
+def errors_as_stop() -> Iterator[None]:
+    """An error raised in the block after a stop signal, re-raised as that stop (``Stopped``,
+    the error its cause); any other error as it is. After the signal the run is ending anyway:
+    what fails then (a loader whose workers the signal ended, Lightning's own SIGTERM exit) is
+    part of stopping, and the run stops as the signal says: its stage times written, the
+    stop's one line, 143."""
+    try:
+        yield
+    except (Exception, SystemExit, KeyboardInterrupt) as err:
+        signum = received()
+        if signum is None:
+            raise
+        raise Stopped(signum) from err
 
 
 def received() -> Optional[int]:
