@@ -32,6 +32,7 @@ from gnnlm.pipeline.kept_weights import (
     validation_metric,
 )
 from gnnlm.pipeline.scoring import choose_eval_k, predict_extras, predict_tokens, scoring_protocol
+from gnnlm.utils.devices import release_unreachable
 from gnnlm.utils.progress import say
 from gnnlm.utils.quiet import quiet_lightning, resumed_fit
 from gnnlm.workdir.builder import ArtifactBuilder
@@ -177,6 +178,8 @@ def fit_with_cli(workdir: Workdir, name: str, configs: list[str], inputs: dict,
         builder.file(INITIAL_WEIGHTS).unlink(missing_ok=True)
         manifest = builder.finish(extra=extra)
     run.clean_up()
+    del cli, run  # the part's last references here: its trainer and modules are freed now
+    release_unreachable()
     return manifest
 
 

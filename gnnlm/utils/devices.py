@@ -112,6 +112,21 @@ def free_memory(device: torch.device) -> Optional[int]:
     return torch.cuda.mem_get_info(device)[0] + cached
 
 
+def release_unreachable() -> None:
+    """Free what a finished stage left unreachable now, not when Python's collector next runs:
+    a trained part's trainer and modules refer to each other (reference cycles), and on a GPU
+    their tensors (GNN-LM's window-state table: 25.7 GB at the paper's shape) hold memory the
+    next stage needs. The caching allocator's free blocks go back to the driver too, so the
+    next stage's large buffers are not cut out of blocks sized for the last one's."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def resident_room(device: torch.device) -> Optional[int]:
     """Bytes that may stay resident on ``device``: half a GPU's free memory, the other half
     being left to the work that reads them (score blocks, activations); None elsewhere, a host

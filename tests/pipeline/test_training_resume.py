@@ -5,10 +5,12 @@ Hugging Face model draws no bars into a log."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import logging
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -74,9 +76,8 @@ class Counter(Callback):
             raise RuntimeError("killed")
 
 
-def fit(monkeypatch, root, name="lm", lr=0.01, kill_at=None, overlay=None):
-    """``fit_with_cli`` of the tiny config (and the YAML text ``overlay``) into ``root/work``:
-    (manifest or None, steps this run took, what it said on stderr)."""
+def tiny_configs(root, lr=0.01, overlay=None) -> list[str]:
+    """The tiny config over its corpus in ``root`` (and the YAML text ``overlay``)."""
     yaml_file = root / f"tiny-{lr}.yaml"
     corpus = write_corpus(root / "corpus", train=" ".join(
         f"w{i % 37} the cat sat" for i in range(200)) + "\n")
@@ -85,6 +86,13 @@ def fit(monkeypatch, root, name="lm", lr=0.01, kill_at=None, overlay=None):
     if overlay is not None:
         (root / "overlay.yaml").write_text(overlay)
         configs.append(str(root / "overlay.yaml"))
+    return configs
+
+
+def fit(monkeypatch, root, name="lm", lr=0.01, kill_at=None, overlay=None):
+    """``fit_with_cli`` of the tiny config (and the YAML text ``overlay``) into ``root/work``:
+    (manifest or None, steps this run took, what it said on stderr)."""
+    configs = tiny_configs(root, lr, overlay)
     counter = Counter(kill_at)
 
     def instantiate(*args, **kwargs):
@@ -309,3 +317,30 @@ def test_loading_a_hugging_face_model_draws_no_bars(tmp_path, capfd):
     HFCausalLM.from_pretrained(str(folder))
     out, err = capfd.readouterr()
     assert "\r" not in out + err
+
+
+def test_a_finished_fit_frees_its_trainer_and_model(monkeypatch, tmp_path):
+    """Nothing of a trained part outlives ``fit_with_cli``: in a pipeline its tensors on a GPU
+    (GNN-LM's window-state table) would hold memory through every later stage. Python's
+    collector is off during the fit, so only what the fit itself frees is freed (jsonargparse
+    kept the last CLI's parser, and through it the trainer and the model, until the next)."""
+    built = []
+    instantiate_fit = training.instantiate_fit
+
+    def instantiate(*args, **kwargs):
+        cli = instantiate_fit(*args, **kwargs)
+        built.append((weakref.ref(cli.trainer), weakref.ref(cli.model)))
+        return cli
+
+    monkeypatch.setattr(training, "instantiate_fit", instantiate)
+    configs = tiny_configs(tmp_path)
+    gc.disable()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            manifest = training.fit_with_cli(Workdir(tmp_path / "work"), "lm", configs, {},
+                                             predict=False)
+    finally:
+        gc.enable()
+    assert manifest["training"]["steps"] == STEPS
+    assert len(built) == 1
+    assert [ref() for ref in built[0]] == [None, None]
