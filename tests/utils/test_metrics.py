@@ -60,6 +60,27 @@ def test_target_nll_is_minus_log_softmax_in_float32():
     torch.testing.assert_close(half, expected, atol=0.1, rtol=0.05)
 
 
+def test_target_nll_in_chunks_gives_the_same_bits_and_gradients(monkeypatch):
+    """A batch past ``NLL_CHUNK_LOGITS`` is scored in chunks of rows: the same NLL, bit for bit,
+    and the same gradient, as one call (here 4 rows of 11 per call, the last chunk short)."""
+    from gnnlm.utils import metrics
+
+    torch.manual_seed(0)
+    logits = (torch.randn(10, 11) * 3).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 11, (10,))
+    whole = target_nll(logits, target)
+    (whole_grad,) = torch.autograd.grad(whole.sum(), logits)
+    calls = []
+    cross_entropy = metrics.F.cross_entropy
+    monkeypatch.setattr(metrics, "NLL_CHUNK_LOGITS", 44)
+    monkeypatch.setattr(metrics.F, "cross_entropy",
+                        lambda x, *a, **k: calls.append(len(x)) or cross_entropy(x, *a, **k))
+    chunked = target_nll(logits, target)
+    (chunked_grad,) = torch.autograd.grad(chunked.sum(), logits)
+    assert calls == [4, 4, 2]
+    assert torch.equal(chunked, whole) and torch.equal(chunked_grad, whole_grad)
+
+
 @pytest.mark.filterwarnings("ignore:The ``compute`` method")
 def test_token_nll_sums_masked_tokens_over_batches():
     metric = TokenNLL()
