@@ -44,10 +44,11 @@ def ppl_from_logprobs(logprobs) -> float:
     return perplexity(-float(np.sum(values, dtype=np.float64)), len(values))
 
 
-# Logits per cross-entropy call. A larger [N, V] batch is scored in chunks of rows, each row
-# as alone (the same bits), so that its float32 copy and log-softmax are never held whole: the
-# GPU base LM's validation batch (128 × 512 tokens × 33k words, 2.2e9 logits: 17 GB in float32
-# twice over) passes 32-bit indexing too. Training batches (32 × 512 tokens) stay one call.
+# The most logits per cross-entropy call. A larger [N, V] batch is scored in chunks of rows,
+# each row as alone (the same bits), so that its float32 copy and log-softmax are never held
+# whole and no call passes 2^31 elements: the GPU base LM's validation batch (128 × 512 tokens
+# × 33k words: 2.2e9 logits, 8.7 GB in float32, twice over) is three calls. Training batches
+# (32 × 512 tokens) stay one call.
 NLL_CHUNK_LOGITS = 1 << 30
 
 
