@@ -275,34 +275,75 @@ class TrainingRun:
 
 
 def stop_between_steps(resume_checkpoint: Optional[Path]):
-    """A callback that lets a stop signal (``gnnlm.utils.stopping``) end the fit only between
-    two training steps: a signal during a step is held until the step's end, where the
-    checkpoint the fit resumes from is written to ``resume_checkpoint`` (None: checkpointing is
-    off, the rerun trains afresh) and ``Stopped`` is raised. Elsewhere (validation, loading
-    the next batch) the signal stops the fit at once, and the rerun resumes from the last
-    checkpoint written every ``checkpoint_seconds()``."""
+    """A callback that lets a stop signal (``gnnlm.utils.stopping``) end a fit's training only
+    where a training step has ended, after writing the checkpoint the fit resumes from to
+    ``resume_checkpoint`` (None: checkpointing is off, the rerun trains afresh).
+
+    The signal is held from the start of training to its end. One received during a step is
+    acted on at the step's end. One received between two steps ends the fit where Lightning
+    acts on a SIGTERM of its own (``SIGTERMException``, after the step's bookkeeping: the
+    checkpoint is written as that exception passes), or else at the end of the next step (the
+    next batch was being loaded; SIGINT, which Lightning leaves alone). Validation is the
+    exception: a signal during it, or held when it begins, stops the fit at once, and the rerun
+    resumes from the last checkpoint written every ``checkpoint_seconds()``."""
     from pytorch_lightning.callbacks import Callback
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
 
     from gnnlm.utils import stopping
 
     class StopBetweenSteps(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            stopping.begin_deferring()
+        def __init__(self) -> None:
+            super().__init__()
+            self.holding = False     # the signal is held (training, outside validation)
+            self.validating = False  # validation inside training, the signal not held
+
+        def hold(self, on: bool) -> None:
+            if on and not self.holding:
+                stopping.begin_deferring()
+            elif not on and self.holding:
+                stopping.end_deferring()
+            self.holding = on
+
+        def save(self, trainer) -> None:
+            if resume_checkpoint is None:
+                return
+            part = resume_checkpoint.with_name(resume_checkpoint.name + ".part")
+            trainer.save_checkpoint(part)  # written whole, then renamed over the last one
+            os.replace(part, resume_checkpoint)
+            say(f"[gnnlm] saved the checkpoint to resume from at step {trainer.global_step} "
+                f"({resume_checkpoint})")
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.hold(True)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            stopping.end_deferring()
             if stopping.pending() is None:
                 return
-            if resume_checkpoint is not None:  # written whole, then renamed over the last one
-                part = resume_checkpoint.with_name(resume_checkpoint.name + ".part")
-                trainer.save_checkpoint(part)
-                os.replace(part, resume_checkpoint)
-                say(f"[gnnlm] saved the checkpoint to resume from at step "
-                    f"{trainer.global_step} ({resume_checkpoint})")
+            self.save(trainer)
+            self.hold(False)
+            stopping.check_pending()
+
+        def on_validation_start(self, trainer, pl_module) -> None:
+            if self.holding:  # (not the sanity check, nor a validation outside a fit)
+                self.validating = True
+                self.hold(False)
+                stopping.check_pending()
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if self.validating:
+                self.validating = False
+                self.hold(True)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.hold(False)
             stopping.check_pending()
 
         def on_exception(self, trainer, pl_module, exception) -> None:
-            stopping.end_deferring()  # a step that raised leaves no block open
+            if (self.holding and isinstance(exception, SIGTERMException)
+                    and stopping.pending() is not None):
+                self.save(trainer)  # raised at the end of a step (or an epoch): the signal held
+            self.hold(False)  # a fit that raised leaves no block open
+            self.validating = False
 
     return StopBetweenSteps()
 

@@ -14,9 +14,9 @@ SIGTERM handler (``_SignalConnector``) only sets a flag that ends the fit with a
 of status 0; it calls the handler installed before it, so ours still raises.
 
 A training step is not cut in half: between ``begin_deferring`` and ``end_deferring`` (a fit's
-training batch, ``on_train_batch_start`` to ``on_train_batch_end``) the signal is only recorded,
-and the fit stops at the end of that step, after saving the checkpoint it resumes from. A
-second signal during the step stops at once.
+training outside validation, ``gnnlm.pipeline.training.stop_between_steps``) the signal is only
+recorded, and the fit stops at the end of the step under way (between two steps: of the next
+one), after saving the checkpoint it resumes from. A second signal stops at once.
 
 Processes forked from the run inherit the handler; there a signal raises ``KeyboardInterrupt``.
 A DataLoader worker exits quietly on it (the run itself stops and shuts the others down), but
@@ -67,8 +67,8 @@ class Stopped(BaseException):
 
 
 class _State:
-    """What the handler knows: the process that installed it, whether a training step is
-    running (``deferring``), the signal recorded during one (``pending``), and the signal that
+    """What the handler knows: the process that installed it, whether a fit's training holds
+    the signal (``deferring``), the signal recorded then (``pending``), and the signal that
     stopped the run (``received``)."""
 
     def __init__(self) -> None:
@@ -153,8 +153,8 @@ def received() -> Optional[int]:
 
 
 def begin_deferring() -> None:
-    """Start a block that a signal does not cut short (a training batch, opened and closed
-    in two callbacks): the signal is recorded, and ``check_pending`` after it raises it."""
+    """Start a block that a signal does not cut short (a fit's training, opened and closed in
+    its callbacks): the signal is recorded, and ``check_pending`` after it raises it."""
     if _state is not None:
         _state.deferring += 1
 

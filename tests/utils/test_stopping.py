@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -149,6 +150,125 @@ def test_an_error_after_a_stop_signal_is_the_stop():
     with pytest.raises(RuntimeError, match="its own"):
         with stopping.handling_stop_signals(), StageTimes().running(), timed("base_lm"):
             raise RuntimeError("its own")
+
+
+# --- a Lightning fit's training, in this process ----------------------------------------------
+
+
+class SignalOnLoad(torch.utils.data.Dataset):
+    """64 random rows of 4 features; loading row ``row`` sends this process ``signum``."""
+
+    def __init__(self, row: Optional[int] = None, signum: int = signal.SIGTERM) -> None:
+        self.rows, self.row, self.signum = torch.randn(64, 4), row, signum
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.row:
+            os.kill(os.getpid(), self.signum)
+        return self.rows[i]
+
+
+def regression(train: SignalOnLoad):
+    """A tiny regression for Lightning (batches of 4: 16 an epoch), counting its training
+    steps and validation batches."""
+    import pytorch_lightning as pl
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.steps, self.validated = 0, 0
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            return self.layer(batch).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            self.validated += 1
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(train, batch_size=4)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(SignalOnLoad(), batch_size=4)
+
+    return Regression()
+
+
+def fit(model, resume: Optional[Path], callbacks=(), ckpt_path=None, val_check_interval=None):
+    """``model`` fitted to step 12 with ``stop_between_steps(resume)`` first among its
+    callbacks, under the run's signal handling; returns the trainer."""
+    import pytorch_lightning as pl
+
+    from gnnlm.pipeline.training import stop_between_steps
+
+    trainer = pl.Trainer(max_steps=12, val_check_interval=val_check_interval,
+                         limit_val_batches=None if val_check_interval else 0,
+                         num_sanity_val_steps=0, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[stop_between_steps(resume), *callbacks])
+    with stopping.handling_stop_signals(), stopping.errors_as_stop():
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def signal_at_step_end(step: int, signum: int):
+    """A callback sending ``signum`` as training step ``step`` (from 1) ends, after the stop's
+    own hook has run: between the step and Lightning's bookkeeping of it."""
+    from pytorch_lightning.callbacks import Callback
+
+    class Signal(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx + 1 == step:
+                os.kill(os.getpid(), signum)
+
+    return Signal()
+
+
+@pytest.mark.parametrize("where, signum, steps", [
+    ("bookkeeping", signal.SIGTERM, 4),  # Lightning ends the fit there (SIGTERMException)
+    ("bookkeeping", signal.SIGINT, 5),   # (Lightning leaves SIGINT alone): after step 5
+    ("loading", signal.SIGTERM, 5),      # step 5's batch, loaded in this process: after it
+], ids=["SIGTERM-bookkeeping", "SIGINT-bookkeeping", "SIGTERM-loading"])
+def test_a_signal_between_two_training_steps_stops_at_a_step_end_with_its_checkpoint(
+        tmp_path, where, signum, steps):
+    """Told between steps 4 and 5, the fit stops where a step has ended, with the checkpoint
+    of that point; resumed from it, Lightning runs the steps left, each once."""
+    resume = tmp_path / "last.ckpt"
+    if where == "loading":
+        model, callbacks = regression(SignalOnLoad(row=16, signum=signum)), []
+    else:
+        model, callbacks = regression(SignalOnLoad()), [signal_at_step_end(4, signum)]
+    with pytest.raises(stopping.Stopped) as stop:
+        fit(model, resume, callbacks)
+    assert stop.value.signum == signum and model.steps == steps
+    assert torch.load(resume, map_location="cpu", weights_only=False)["global_step"] == steps
+
+    resumed = regression(SignalOnLoad())
+    trainer = fit(resumed, None, ckpt_path=resume)
+    assert resumed.steps == 12 - steps and trainer.global_step == 12
+
+
+def test_a_signal_in_validation_stops_the_fit_at_once(tmp_path):
+    """Validation is not held: the fit stops in its first batch, with no further step and no
+    checkpoint (the rerun resumes from the last periodic one)."""
+    import pytorch_lightning as pl
+
+    class SignalInValidation(pl.Callback):
+        def on_validation_batch_start(self, *args, **kwargs) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    resume = tmp_path / "last.ckpt"
+    model = regression(SignalOnLoad())
+    with pytest.raises(stopping.Stopped):
+        fit(model, resume, [SignalInValidation()], val_check_interval=4)
+    assert model.steps == 4 and model.validated == 0 and not resume.exists()
 
 
 # --- real runs of `gnnlm` on a WikiText-2 slice ----------------------------------------------
