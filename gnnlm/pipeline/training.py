@@ -283,9 +283,10 @@ def stop_between_steps(resume_checkpoint: Optional[Path]):
     acted on at the step's end. One received between two steps ends the fit where Lightning
     acts on a SIGTERM of its own (``SIGTERMException``, after the step's bookkeeping: the
     checkpoint is written as that exception passes), or else at the end of the next step (the
-    next batch was being loaded; SIGINT, which Lightning leaves alone). Validation is the
-    exception: a signal during it, or held when it begins, stops the fit at once, and the rerun
-    resumes from the last checkpoint written every ``checkpoint_seconds()``."""
+    next batch was being loaded; SIGINT, which Lightning leaves alone). Elsewhere the fit stops
+    at once, and the rerun resumes from the last checkpoint written every
+    ``checkpoint_seconds()``: in validation (a signal during it, or held when it begins), after
+    the last step, and at Lightning's SIGTERM exit after an epoch's last step."""
     from pytorch_lightning.callbacks import Callback
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -339,9 +340,12 @@ def stop_between_steps(resume_checkpoint: Optional[Path]):
             stopping.check_pending()
 
         def on_exception(self, trainer, pl_module, exception) -> None:
+            # Lightning's SIGTERM exit, raised after a step's bookkeeping: resumable there,
+            # except after an epoch's last step (resumed, it would count that epoch twice)
             if (self.holding and isinstance(exception, SIGTERMException)
-                    and stopping.pending() is not None):
-                self.save(trainer)  # raised at the end of a step (or an epoch): the signal held
+                    and stopping.pending() is not None
+                    and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+                self.save(trainer)
             self.hold(False)  # a fit that raised leaves no block open
             self.validating = False
 

@@ -15,8 +15,8 @@ of status 0; it calls the handler installed before it, so ours still raises.
 
 A training step is not cut in half: between ``begin_deferring`` and ``end_deferring`` (a fit's
 training outside validation, ``gnnlm.pipeline.training.stop_between_steps``) the signal is only
-recorded, and the fit stops at the end of the step under way (between two steps: of the next
-one), after saving the checkpoint it resumes from. A second signal stops at once.
+recorded, and the fit stops where a step ends (between two steps: the one just ended, or the
+next), after saving the checkpoint it resumes from. A second signal stops at once.
 
 Processes forked from the run inherit the handler; there a signal raises ``KeyboardInterrupt``.
 A DataLoader worker exits quietly on it (the run itself stops and shuts the others down), but

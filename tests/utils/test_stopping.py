@@ -200,14 +200,15 @@ def regression(train: SignalOnLoad):
     return Regression()
 
 
-def fit(model, resume: Optional[Path], callbacks=(), ckpt_path=None, val_check_interval=None):
-    """``model`` fitted to step 12 with ``stop_between_steps(resume)`` first among its
+def fit(model, resume: Optional[Path], callbacks=(), ckpt_path=None, val_check_interval=None,
+        max_steps: int = 12):
+    """``model`` fitted to ``max_steps`` with ``stop_between_steps(resume)`` first among its
     callbacks, under the run's signal handling; returns the trainer."""
     import pytorch_lightning as pl
 
     from gnnlm.pipeline.training import stop_between_steps
 
-    trainer = pl.Trainer(max_steps=12, val_check_interval=val_check_interval,
+    trainer = pl.Trainer(max_steps=max_steps, val_check_interval=val_check_interval,
                          limit_val_batches=None if val_check_interval else 0,
                          num_sanity_val_steps=0, accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
@@ -225,34 +226,43 @@ def signal_at_step_end(step: int, signum: int):
 
     class Signal(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx + 1 == step:
+            if trainer.global_step == step:
                 os.kill(os.getpid(), signum)
 
     return Signal()
 
 
-@pytest.mark.parametrize("where, signum, steps", [
+@pytest.mark.parametrize("where, signum, saved", [
     ("bookkeeping", signal.SIGTERM, 4),  # Lightning ends the fit there (SIGTERMException)
     ("bookkeeping", signal.SIGINT, 5),   # (Lightning leaves SIGINT alone): after step 5
     ("loading", signal.SIGTERM, 5),      # step 5's batch, loaded in this process: after it
-], ids=["SIGTERM-bookkeeping", "SIGINT-bookkeeping", "SIGTERM-loading"])
+    ("loading", signal.SIGINT, 5),
+    ("epoch end", signal.SIGINT, 17),    # after step 16, the epoch's last: after step 17
+    # Lightning's SIGTERM exit after an epoch's last step is not resumable (the epoch would
+    # be counted twice): the fit stops at once, without the checkpoint
+    ("epoch end", signal.SIGTERM, None),
+], ids=["SIGTERM-bookkeeping", "SIGINT-bookkeeping", "SIGTERM-loading", "SIGINT-loading",
+        "SIGINT-epoch-end", "SIGTERM-epoch-end"])
 def test_a_signal_between_two_training_steps_stops_at_a_step_end_with_its_checkpoint(
-        tmp_path, where, signum, steps):
-    """Told between steps 4 and 5, the fit stops where a step has ended, with the checkpoint
-    of that point; resumed from it, Lightning runs the steps left, each once."""
-    resume = tmp_path / "last.ckpt"
-    if where == "loading":
-        model, callbacks = regression(SignalOnLoad(row=16, signum=signum)), []
-    else:
-        model, callbacks = regression(SignalOnLoad()), [signal_at_step_end(4, signum)]
+        tmp_path, where, signum, saved):
+    """Told between two steps, the fit stops where a step has ended, with the checkpoint of
+    that point; resumed from it, Lightning runs the steps left, each once, and ends in the
+    epoch an uninterrupted fit ends in."""
+    resume, told = tmp_path / "last.ckpt", 16 if where == "epoch end" else 4
+    model = regression(SignalOnLoad(row=4 * told if where == "loading" else None, signum=signum))
+    callbacks = [] if where == "loading" else [signal_at_step_end(told, signum)]
     with pytest.raises(stopping.Stopped) as stop:
-        fit(model, resume, callbacks)
-    assert stop.value.signum == signum and model.steps == steps
-    assert torch.load(resume, map_location="cpu", weights_only=False)["global_step"] == steps
+        fit(model, resume, callbacks, max_steps=20)
+    assert stop.value.signum == signum and model.steps == (saved or told)
+    if saved is None:
+        assert not resume.exists()
+        return
+    assert torch.load(resume, map_location="cpu", weights_only=False)["global_step"] == saved
 
-    resumed = regression(SignalOnLoad())
-    trainer = fit(resumed, None, ckpt_path=resume)
-    assert resumed.steps == 12 - steps and trainer.global_step == 12
+    resumed, whole = regression(SignalOnLoad()), regression(SignalOnLoad())
+    trainer = fit(resumed, None, ckpt_path=resume, max_steps=20)
+    assert resumed.steps == 20 - saved and trainer.global_step == 20
+    assert trainer.current_epoch == fit(whole, None, max_steps=20).current_epoch
 
 
 def test_a_signal_in_validation_stops_the_fit_at_once(tmp_path):
