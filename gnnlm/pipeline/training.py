@@ -283,10 +283,10 @@ def stop_between_steps(resume_checkpoint: Optional[Path]):
     acted on at the step's end. One received between two steps ends the fit where Lightning
     acts on a SIGTERM of its own (``SIGTERMException``, after the step's bookkeeping: the
     checkpoint is written as that exception passes), or else at the end of the next step (the
-    next batch was being loaded; SIGINT, which Lightning leaves alone). Elsewhere the fit stops
-    at once, and the rerun resumes from the last checkpoint written every
-    ``checkpoint_seconds()``: in validation (a signal during it, or held when it begins), after
-    the last step, and at Lightning's SIGTERM exit after an epoch's last step."""
+    next batch was being loaded; SIGINT, which Lightning leaves alone); one received after the
+    last step, as training ends. Elsewhere the fit stops at once, and the rerun resumes from the
+    last checkpoint written every ``checkpoint_seconds()``: in validation (a signal during it,
+    or held when it begins), and when a SIGTERM comes as an epoch's last step ends."""
     from pytorch_lightning.callbacks import Callback
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -335,16 +335,22 @@ def stop_between_steps(resume_checkpoint: Optional[Path]):
                 self.validating = False
                 self.hold(True)
 
-        def on_train_end(self, trainer, pl_module) -> None:
+        def resumable_here(self, trainer) -> bool:
+            """After a step's bookkeeping, a held signal: a checkpoint here resumes as one
+            written at the step's end, except after an epoch's last step (resumed, it would
+            count that epoch twice)."""
+            return (self.holding and stopping.pending() is not None
+                    and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+        def on_train_end(self, trainer, pl_module) -> None:  # told after the last step
+            if self.resumable_here(trainer):
+                self.save(trainer)
             self.hold(False)
             stopping.check_pending()
 
         def on_exception(self, trainer, pl_module, exception) -> None:
-            # Lightning's SIGTERM exit, raised after a step's bookkeeping: resumable there,
-            # except after an epoch's last step (resumed, it would count that epoch twice)
-            if (self.holding and isinstance(exception, SIGTERMException)
-                    and stopping.pending() is not None
-                    and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+            # Lightning's SIGTERM exit, raised after a step's bookkeeping
+            if isinstance(exception, SIGTERMException) and self.resumable_here(trainer):
                 self.save(trainer)
             self.hold(False)  # a fit that raised leaves no block open
             self.validating = False

@@ -241,14 +241,16 @@ def signal_at_step_end(step: int, signum: int):
     # Lightning's SIGTERM exit after an epoch's last step is not resumable (the epoch would
     # be counted twice): the fit stops at once, without the checkpoint
     ("epoch end", signal.SIGTERM, None),
+    ("last step", signal.SIGTERM, 20),   # after step 20 of 20: as training ends
+    ("last step", signal.SIGINT, 20),
 ], ids=["SIGTERM-bookkeeping", "SIGINT-bookkeeping", "SIGTERM-loading", "SIGINT-loading",
-        "SIGINT-epoch-end", "SIGTERM-epoch-end"])
+        "SIGINT-epoch-end", "SIGTERM-epoch-end", "SIGTERM-last-step", "SIGINT-last-step"])
 def test_a_signal_between_two_training_steps_stops_at_a_step_end_with_its_checkpoint(
         tmp_path, where, signum, saved):
     """Told between two steps, the fit stops where a step has ended, with the checkpoint of
     that point; resumed from it, Lightning runs the steps left, each once, and ends in the
     epoch an uninterrupted fit ends in."""
-    resume, told = tmp_path / "last.ckpt", 16 if where == "epoch end" else 4
+    resume, told = tmp_path / "last.ckpt", {"epoch end": 16, "last step": 20}.get(where, 4)
     model = regression(SignalOnLoad(row=4 * told if where == "loading" else None, signum=signum))
     callbacks = [] if where == "loading" else [signal_at_step_end(told, signum)]
     with pytest.raises(stopping.Stopped) as stop:
