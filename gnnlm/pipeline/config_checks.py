@@ -15,10 +15,10 @@ A pipeline YAML names, per stage, its settings; trained parts (the base LM and t
 A head's config is checked against the retrieval artifacts the pipeline builds once LightningCLI
 has parsed it (``gnnlm.pipeline.head_checks``), still before any stage runs.
 
-``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU, an
-``hf:<folder>`` base LM whose folder is not there, and a corpus neither here nor downloadable
-now. Settings out of range within one section are each dataclass's own check
-(``gnnlm.pipeline.settings``).
+``check_machine`` (``gnnlm pipeline``) refuses GPU settings on a machine without a GPU, a
+trained part on several processes (DDP is ``gnnlm fit``'s alone), an ``hf:<folder>`` base LM
+whose folder is not there, and a corpus neither here nor downloadable now. Settings out of
+range within one section are each dataclass's own check (``gnnlm.pipeline.settings``).
 """
 from __future__ import annotations
 
@@ -31,7 +31,12 @@ from gnnlm.pipeline.base_lm_shape import base_lm_shape
 from gnnlm.pipeline.config_files import merged_yaml, yaml_list
 from gnnlm.pipeline.corpus_checks import check_one_corpus
 from gnnlm.pipeline.run_corpus import check_run_corpus
-from gnnlm.utils.devices import check_accelerator, check_available, check_faiss_available
+from gnnlm.utils.devices import (
+    check_accelerator,
+    check_available,
+    check_faiss_available,
+    trainer_processes,
+)
 from gnnlm.workdir.layout import check_workdir
 
 if TYPE_CHECKING:
@@ -153,6 +158,25 @@ def check_machine(cfg: PipelineSettings) -> None:
     check_faiss_available(cfg.index.device, "index.device")
     for chain in cfg.fit_chains():
         trainer = merged_yaml(chain).get("trainer") or {}
-        check_accelerator(trainer.get("accelerator"),
-                          f"the `gnnlm fit` config {' + '.join(chain)}")
+        where = f"the `gnnlm fit` config {' + '.join(chain)}"
+        check_accelerator(trainer.get("accelerator"), where)
+        _check_one_process(trainer, where)
     check_run_corpus(cfg)
+
+
+def _check_one_process(trainer: dict, where: str) -> None:
+    """Refuse a trained part that Lightning would train on several processes. The pipeline
+    fits each part inside its own process (``gnnlm.pipeline.training.fit_with_cli``), where
+    Lightning's DDP launcher would start the whole ``gnnlm pipeline`` command again on every
+    other rank, each running the stages before that fit in the same work directory."""
+    try:
+        processes = trainer_processes(trainer)
+    except ValueError as error:
+        raise ValueError(f"{where} sets trainer.devices: {trainer.get('devices')!r}, which "
+                         f"Lightning refuses: {' '.join(str(error).split())}") from None
+    if processes is not None and processes > 1:
+        raise ValueError(f"{where} trains on {processes} processes (trainer.devices × "
+                         f"trainer.num_nodes), but the pipeline trains each part in the "
+                         f"process that runs it: set trainer.devices: 1 and num_nodes: 1 there. "
+                         f"A base LM trained under DDP by `gnnlm fit` (--trainer.strategy=ddp "
+                         f"--trainer.devices=N) joins the pipeline as base_lm.ckpt.")

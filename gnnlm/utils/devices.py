@@ -75,6 +75,34 @@ def check_accelerator(accelerator: object, where: str) -> None:
                          f"trainer.accelerator: auto.")
 
 
+def trainer_processes(trainer: dict) -> Optional[int]:
+    """How many processes Lightning trains on under a ``gnnlm fit`` config's ``trainer``
+    section: ``devices`` as Lightning parses them (``"auto"``: every GPU torch sees, or one CPU
+    process) times ``num_nodes``; None for an accelerator other than the CPU or CUDA, whose
+    devices are Lightning's to count. A ``devices`` value Lightning refuses raises its message
+    as a ValueError."""
+    import torch
+    from pytorch_lightning.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+    from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+    accelerator = str(trainer.get("accelerator") or "auto").lower()
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        kind: type[Accelerator] = CUDAAccelerator
+    elif accelerator in ("cpu", "auto"):
+        kind = CPUAccelerator
+    else:
+        return None
+    devices = trainer.get("devices", "auto")
+    try:
+        parsed = kind.auto_device_count() if devices == "auto" else kind.parse_devices(devices)
+    except (MisconfigurationException, TypeError) as error:  # (the CPU count raises TypeError)
+        raise ValueError(str(error)) from None
+    count = len(parsed) if isinstance(parsed, list) else int(parsed or 0)
+    if count < 1:  # (CUDA's parser reads 0 as no GPU; Lightning's trainer refuses it)
+        raise ValueError(f"devices={devices!r} selects no {accelerator} device.")
+    return count * int(trainer.get("num_nodes") or 1)
+
+
 def torch_device(device: str | torch.device = "auto") -> torch.device:
     """The torch device for ``device`` (``"auto"``: the first GPU when there is one)."""
     import torch

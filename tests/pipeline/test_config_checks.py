@@ -191,6 +191,51 @@ def test_gpu_settings_are_checked_by_availability(monkeypatch):
     assert cfg.features.device == cfg.index.device == "cuda"
 
 
+ONE_PROCESS_ADVICE = ("but the pipeline trains each part in the process that runs it: set "
+                      "trainer.devices: 1 and num_nodes: 1 there. A base LM trained under DDP by "
+                      "`gnnlm fit` (--trainer.strategy=ddp --trainer.devices=N) joins the "
+                      "pipeline as base_lm.ckpt.")
+
+
+def trainer_overlay(tmp_path, chain: list[str], **trainer) -> list[str]:
+    """``chain`` with one more YAML setting ``trainer``'s fields."""
+    overlay = tmp_path / "trainer.yaml"
+    overlay.write_text(json.dumps({"trainer": trainer}))  # (JSON is YAML)
+    return [*chain, str(overlay)]
+
+
+@pytest.mark.parametrize("trainer", [{"devices": 2, "strategy": "ddp"}, {"num_nodes": 2}])
+def test_a_trained_part_on_several_processes(trainer, tmp_path, capsys):
+    """Lightning's DDP launcher would start the whole ``gnnlm pipeline`` command again on
+    every other rank, each running the stages before that fit in the same work directory (on
+    the old code two base LMs raced on one build folder): refused when the config loads."""
+    chain = trainer_overlay(tmp_path, GNN, **trainer)
+    assert refused(tmp_path, capsys, f"--gnn.config={json.dumps(chain)}") == (
+        f"the `gnnlm fit` config {' + '.join(chain)} trains on 2 processes (trainer.devices × "
+        f"trainer.num_nodes), " + ONE_PROCESS_ADVICE)
+
+
+def test_a_gpu_trainer_on_every_gpu_the_machine_has(monkeypatch, tmp_path, capsys):
+    """``devices: auto`` trains on every GPU torch sees: it loads where there is one GPU and
+    is refused where there are two."""
+    chain = trainer_overlay(tmp_path, GPU_GNN, devices="auto")
+    flag = f"--gnn.config={json.dumps(chain)}"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    load_config([*CPU, flag], machine=True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert refused(tmp_path, capsys, flag) == (
+        f"the `gnnlm fit` config {' + '.join(chain)} trains on 2 processes (trainer.devices × "
+        f"trainer.num_nodes), " + ONE_PROCESS_ADVICE)
+
+
+def test_devices_lightning_refuses_are_refused_at_load(tmp_path, capsys):
+    chain = trainer_overlay(tmp_path, GNN, devices=0)
+    assert refused(tmp_path, capsys, f"--gnn.config={json.dumps(chain)}") == (
+        f"the `gnnlm fit` config {' + '.join(chain)} sets trainer.devices: 0, which Lightning "
+        f"refuses: `devices` selected with `CPUAccelerator` should be an int > 0.")
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     """A `gnnlm fit` checkpoint of a tiny LM: context 16, 16 wide."""

@@ -63,3 +63,35 @@ def test_faiss_device():
         assert faiss_device("auto") == "cpu"
         with pytest.raises(ValueError, match="faiss-gpu"):
             faiss_device("cuda")
+
+
+@pytest.mark.parametrize("gpus,trainer,processes", [
+    (0, {}, 1),                                              # auto on a CPU: one process
+    (0, {"accelerator": "cpu", "devices": 2, "strategy": "ddp"}, 2),
+    (0, {"accelerator": "cpu", "devices": "3"}, 3),
+    (0, {"accelerator": "cpu", "devices": 1, "num_nodes": 2}, 2),
+    (2, {}, 2),                                              # auto: every GPU torch sees
+    (2, {"accelerator": "gpu", "devices": 1}, 1),
+    (2, {"accelerator": "gpu", "devices": -1}, 2),
+    (2, {"accelerator": "cuda", "devices": "0,1"}, 2),
+    (2, {"accelerator": "gpu", "devices": [1]}, 1),
+    (2, {"accelerator": "cpu", "devices": "auto"}, 1),
+    (0, {"accelerator": "mps"}, None),                       # Lightning's to count
+])
+def test_the_processes_a_trainer_section_trains_on(gpus, trainer, processes, monkeypatch):
+    """As Lightning counts them: its parsed devices times the nodes."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert devices.trainer_processes(trainer) == processes
+
+
+@pytest.mark.parametrize("trainer,message", [
+    ({"accelerator": "cpu", "devices": 0}, "should be an int > 0"),
+    ({"accelerator": "gpu", "devices": 3}, r"only has: \[0, 1\]"),
+    ({"accelerator": "gpu", "devices": 0}, "devices=0 selects no gpu device"),
+])
+def test_devices_lightning_refuses_are_refused(trainer, message, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=message):
+        devices.trainer_processes(trainer)
