@@ -15,7 +15,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from gnnlm.pipeline.stage_times import StageTimes, timed
-from gnnlm.utils import environment, provenance
+from gnnlm.utils import cpu_kernels, environment, provenance
 from tests.conftest import REPO
 
 
@@ -96,8 +96,10 @@ def test_the_kernel_path_and_its_pins_are_recorded_in_the_process_that_ran():
     script = ("import json; from gnnlm.utils import environment as e; "
               "print(json.dumps(e.describe()['cpu_kernels']))")
     pins = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+    # (a machine's own environment may pin a library already, e.g. OPENBLAS_CORETYPE)
+    unpinned_env = {k: v for k, v in os.environ.items() if k not in cpu_kernels.PINS}
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True, env={**os.environ, **pins}, cwd=REPO)
+                         check=True, env={**unpinned_env, **pins}, cwd=REPO)
     kernels = json.loads(ran.stdout)
     assert kernels["torch_capability"] == "DEFAULT" and kernels["pinned"] == pins
     assert kernels["blas"] and kernels["threads"] >= 1
