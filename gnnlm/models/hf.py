@@ -26,6 +26,7 @@ windows.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import inspect
@@ -283,9 +284,11 @@ class HFCausalLM(BaseLM):
                              f"did not run in the forward pass; name one that does.")
         # some blocks flatten tokens before their FFN (OPT): back to [B, T, d]
         shape = (*input_ids.shape, -1)
-        cache = getattr(out, "cache", None)
-        if cache is None:
-            cache = getattr(out, "past_key_values", None)
+        # the output's cache field is `cache` (transformers 5.2x) or `past_key_values` (before);
+        # naming the old one where the new one exists logs a deprecation, even `in`: read the
+        # field its class declares
+        declared = {field.name for field in dataclasses.fields(out)}
+        cache = getattr(out, "cache" if "cache" in declared else "past_key_values", None)
         return Features(final=captured["final"].reshape(shape),
                         att=captured["att"].reshape(shape)), cache
 
