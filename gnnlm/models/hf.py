@@ -286,8 +286,9 @@ class HFCausalLM(BaseLM):
         shape = (*input_ids.shape, -1)
         # the output's cache field is `cache` (transformers 5.2x) or `past_key_values` (before);
         # naming the old one where the new one exists logs a deprecation, even `in`: read the
-        # field its class declares
-        declared = {field.name for field in dataclasses.fields(out)}
+        # field its class declares (an output that is not a dataclass declares none)
+        declared = ({field.name for field in dataclasses.fields(out)}
+                    if dataclasses.is_dataclass(out) else set())
         cache = getattr(out, "cache" if "cache" in declared else "past_key_values", None)
         return Features(final=captured["final"].reshape(shape),
                         att=captured["att"].reshape(shape)), cache
