@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 DEVICES = ("auto", "cpu", "cuda")
+CUDA_ACCELERATORS = ("gpu", "cuda")  # Lightning's two names for a CUDA trainer
 Devices = Union[int, str]  # a number of processes, or "auto"
 
 
@@ -67,7 +68,7 @@ def check_accelerator(accelerator: object, where: str) -> None:
     as configs/trainer/gpu.yaml does) on a machine without it; ``where`` names the config."""
     import torch
 
-    if str(accelerator).lower() in ("gpu", "cuda") and not torch.cuda.is_available():
+    if str(accelerator).lower() in CUDA_ACCELERATORS and not torch.cuda.is_available():
         raise ValueError(f"{where} sets trainer.accelerator: {accelerator}, but torch sees no "
                          f"CUDA GPU on this machine: start that chain with "
                          f"configs/trainer/cpu.yaml instead of configs/trainer/gpu.yaml (with "
@@ -86,7 +87,7 @@ def trainer_processes(trainer: dict) -> Optional[int]:
     from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
     accelerator = str(trainer.get("accelerator") or "auto").lower()
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+    if accelerator in CUDA_ACCELERATORS or (accelerator == "auto" and torch.cuda.is_available()):
         kind: type[Accelerator] = CUDAAccelerator
     elif accelerator in ("cpu", "auto"):
         kind = CPUAccelerator
